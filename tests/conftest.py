@@ -1,0 +1,82 @@
+"""Shared fixtures: ``mailbox`` runs every test that asks for it once per store.
+
+``MAILBOXES`` is a tuple of named generators, each yielding a fresh, empty store; a new
+backend is one generator plus one entry here. S3 entries come from
+``GRADIENTMAIL_S3_ENDPOINT`` (see ``tests/s3env.py``); under CI they are required.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from gradientmail import FileMailbox, Mailbox, MemoryMailbox
+from tests.s3env import S3Target, ensure_bucket, fresh_s3_mailbox, s3_targets
+from tests.thirdparty.spec_file_mailbox import FileMailbox as SpecFileMailbox
+
+
+def memory() -> Iterator[Mailbox]:
+    yield MemoryMailbox(f"test-{uuid.uuid4().hex[:8]}")
+
+
+def filesystem() -> Iterator[Mailbox]:
+    with tempfile.TemporaryDirectory() as root:
+        yield FileMailbox(root)
+
+
+def spec_filesystem() -> Iterator[Mailbox]:
+    """The third-party example backend of spec 004, unchanged, against our suite."""
+    with tempfile.TemporaryDirectory() as root:
+        yield SpecFileMailbox(root)
+
+
+def _s3(target: S3Target) -> Callable[[], Iterator[Mailbox]]:
+    def generator() -> Iterator[Mailbox]:
+        yield from fresh_s3_mailbox(target)
+
+    return generator
+
+
+S3_TARGETS = s3_targets()
+
+if os.environ.get("CI") and not S3_TARGETS:
+    raise pytest.UsageError(
+        "CI is set but GRADIENTMAIL_S3_ENDPOINT is empty: run the suite through "
+        "`python -m tests.support.s3servers -- pytest` (what scripts/test.sh does)"
+    )
+
+MAILBOXES: tuple[tuple[str, Callable[[], Iterator[Mailbox]]], ...] = (
+    ("memory", memory),
+    ("filesystem", filesystem),
+    ("spec-filesystem", spec_filesystem),
+    *((f"s3-{t.name}", _s3(t)) for t in S3_TARGETS),
+)
+
+
+@pytest.fixture(scope="session")
+def s3_buckets() -> list[S3Target]:
+    for target in S3_TARGETS:
+        ensure_bucket(target)
+    return S3_TARGETS
+
+
+@pytest.fixture(params=[name for name, _ in MAILBOXES])
+def mailbox(request: pytest.FixtureRequest, s3_buckets: list[S3Target]) -> Iterator[Mailbox]:
+    generator = dict(MAILBOXES)[request.param]
+    yield from generator()
+
+
+@pytest.fixture(
+    params=[t.name for t in S3_TARGETS]
+    or [
+        pytest.param(
+            "none", marks=pytest.mark.skipif(True, reason="GRADIENTMAIL_S3_ENDPOINT not set")
+        )
+    ]
+)
+def s3_target(request: pytest.FixtureRequest, s3_buckets: list[S3Target]) -> S3Target:
+    return next(t for t in s3_buckets if t.name == request.param)
