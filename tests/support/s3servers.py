@@ -42,7 +42,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -74,13 +74,13 @@ ENDPOINT_ENV_VAR = "GRADIENTMAIL_S3_ENDPOINT"
 START_TIMEOUT_S = 30.0
 """Longest wait for a server to answer an S3 request."""
 STOP_TIMEOUT_S = 20.0
-"""Longest wait after SIGTERM before SIGKILL (SeaweedFS can take ~15 s under load)."""
+"""Longest wait after SIGTERM before SIGKILL (weed mini 4.48 measured 2.2-2.5 s)."""
 
 _POLL_INTERVAL_S = 0.2
 _MAX_POLLS = 300  # together with START_TIMEOUT_S: bounded in both count and time
 _PORT_ATTEMPTS = 3  # fresh ports when a port chosen at runtime was taken meanwhile
 _LOG_TAIL_LINES = 40
-_ADDR_IN_USE = ("address already in use", "errno 98")
+_ADDR_IN_USE = ("address already in use", "errno 98", "is not available on")
 
 
 class ServerStartError(RuntimeError):
@@ -97,7 +97,7 @@ class S3Server:
     """``http://127.0.0.1:PORT``."""
     bucket: str
     access_key: str
-    secret_key: str
+    secret_key: str = field(repr=False)
     region: str
     """Always ``"us-east-1"``."""
 
@@ -237,11 +237,12 @@ def _venv_bin(name: str) -> str:
     return found
 
 
-def _log_tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
+def _log_tail(path: Path, start: int = 0, lines: int = _LOG_TAIL_LINES) -> str:
+    """The last ``lines`` lines of the log, from byte offset ``start`` on."""
     try:
         with path.open("rb") as f:
             f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 64 * 1024))
+            f.seek(max(start, f.tell() - 64 * 1024))
             text = f.read().decode("utf-8", errors="replace")
     except OSError as exc:
         return f"(log {path} unreadable: {exc})"
@@ -324,14 +325,14 @@ class _Running:
     server: S3Server
     process: _Process
     start_seconds: float
-    cleanup: Callable[[bool], None] | None = None
+    cleanup: Callable[[], None] | None = None
 
     def stop(self) -> float:
         """Stop the server; returns the seconds it took."""
         started = time.monotonic()
-        killed = self.process.stop()
+        self.process.stop()
         if self.cleanup is not None:
-            self.cleanup(killed)
+            self.cleanup()
         return time.monotonic() - started
 
 
@@ -371,7 +372,7 @@ def _create_bucket(server: S3Server) -> None:
 def _launch(
     name: str,
     workdir: Path,
-    make: Callable[[], tuple[list[str], S3Server, Callable[[bool], None] | None]],
+    make: Callable[[], tuple[list[str], S3Server, Callable[[], None] | None]],
     start_timeout: float,
     cancel: threading.Event,
     env: dict[str, str] | None = None,
@@ -382,7 +383,13 @@ def _launch(
     for attempt in range(1, _PORT_ATTEMPTS + 1):
         argv, server, cleanup = make()
         started = time.monotonic()
-        process = _Process(argv, log_path, cwd=workdir, env=env)
+        log_start = log_path.stat().st_size if log_path.exists() else 0
+        try:
+            process = _Process(argv, log_path, cwd=workdir, env=env)
+        except OSError as exc:
+            if cleanup is not None:
+                cleanup()
+            raise ServerStartError(f"{name}: cannot run {shlex.join(argv)}: {exc}") from exc
         running = _Running(server, process, 0.0, cleanup)
         try:
             _wait_ready(process, server, started + start_timeout, cancel)
@@ -393,7 +400,7 @@ def _launch(
             botocore.exceptions.ClientError,
         ) as exc:
             running.stop()
-            tail = _log_tail(log_path)
+            tail = _log_tail(log_path, log_start)
             clash = any(marker in tail.lower() for marker in _ADDR_IN_USE)
             if clash and attempt < _PORT_ATTEMPTS and not cancel.is_set():
                 continue
@@ -444,13 +451,14 @@ def _start_seaweedfs(
     cancel: threading.Event,
 ) -> _Running:
     weed = _venv_bin("weed")
+    workdir = workdir.absolute()  # weed runs with cwd=workdir
     workdir.mkdir(parents=True, exist_ok=True)
     data = workdir / "data"
     data.mkdir(exist_ok=True)
     s3_config = workdir / "s3.json"
     _write_s3_config(s3_config, access_key, secret_key)
 
-    def make() -> tuple[list[str], S3Server, Callable[[bool], None] | None]:
+    def make() -> tuple[list[str], S3Server, Callable[[], None] | None]:
         services = ("s3", "master", "volume", "filer", "admin")
         ports = _free_ports(2 * len(services))
         http = dict(zip(services, ports[: len(services)], strict=True))
@@ -499,7 +507,7 @@ def _start_seaweedfs(
             region=REGION,
         )
 
-        def cleanup(killed: bool) -> None:
+        def cleanup() -> None:
             shutil.rmtree(sockets, ignore_errors=True)
             # weed does not always remove its gRPC sockets, even on a clean exit.
             for port in grpc.values():
@@ -519,7 +527,9 @@ def _start_moto(
     start_timeout: float,
     cancel: threading.Event,
 ) -> _Running:
-    def make() -> tuple[list[str], S3Server, Callable[[bool], None] | None]:
+    workdir = workdir.absolute()
+
+    def make() -> tuple[list[str], S3Server, Callable[[], None] | None]:
         (port,) = _free_ports(1)
         argv = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
         server = S3Server(
@@ -567,6 +577,7 @@ def _start_all(names: Sequence[str], base: Path) -> list[_Running]:
     """Start servers in parallel; on any failure or interruption stop those that started."""
     cancel = threading.Event()
     results: dict[str, _Running | BaseException] = {}
+    done = threading.Semaphore(0)  # released once per finished thread
 
     def run(name: str) -> None:
         try:
@@ -581,21 +592,27 @@ def _start_all(names: Sequence[str], base: Path) -> list[_Running]:
         except BaseException as exc:
             results[name] = exc
             cancel.set()  # no point waiting for the others
+        finally:
+            done.release()
 
+    # Never Thread.join() here while a signal handler may raise: in Python 3.11 an interrupted
+    # join() can mark a still-running thread as stopped, and later joins return at once.
     threads = [threading.Thread(target=run, args=(n,), name=f"start-{n}") for n in names]
+    finished = 0
     try:
         with _signals_held(reraise=True):  # all threads started, or none
             for thread in threads:
                 thread.start()
-        for thread in threads:
-            while thread.is_alive():
-                thread.join(0.1)
+        while finished < len(threads):
+            if done.acquire(timeout=0.1):
+                finished += 1
     except BaseException:
         cancel.set()
         with _signals_held(reraise=False):
-            for thread in threads:
-                if thread.ident is not None:
-                    thread.join()
+            started_threads = sum(thread.ident is not None for thread in threads)
+            while finished < started_threads:
+                done.acquire()
+                finished += 1
         _stop_all([r for r in results.values() if isinstance(r, _Running)])
         raise
     started = [r for r in results.values() if isinstance(r, _Running)]
