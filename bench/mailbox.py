@@ -32,8 +32,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import gradientmail as gm  # noqa: E402
-from tests.support import s3servers  # noqa: E402
+import gradientmail as gm
+from tests.support import s3servers
 
 MIB = 1024 * 1024
 
@@ -176,9 +176,18 @@ def bench_target(target: Target, args: argparse.Namespace) -> list[Row]:
             key = f"small-{run_id}/{i:05d}"
             get_ref.append(_time(lambda k=key: target.raw_get(k)))
             get_box.append(_time(lambda k=key: run(box.get(k))))
-        rows.append(Row(target.name, "put_if_absent 1 KiB", _median(put_ref), _median(put_box),
-                        target=small_target))
-        rows.append(Row(target.name, "get 1 KiB", _median(get_ref), _median(get_box), target=small_target))
+        rows.append(
+            Row(
+                target.name,
+                "put_if_absent 1 KiB",
+                _median(put_ref),
+                _median(put_box),
+                target=small_target,
+            )
+        )
+        rows.append(
+            Row(target.name, "get 1 KiB", _median(get_ref), _median(get_box), target=small_target)
+        )
 
         _progress(f"{target.name}: filling 1,000 keys for list")
         listed = f"list-{run_id}/"
@@ -199,8 +208,15 @@ def bench_target(target: Target, args: argparse.Namespace) -> list[Row]:
             list_ref.append(_time(lambda: target.raw_list(listed)))
             list_box.append(_time(lambda: run(box.list(listed))))
         assert len(run(box.list(listed))) == 1000 == len(target.raw_list(listed))
-        rows.append(Row(target.name, "list 1,000 keys", _median(list_ref), _median(list_box),
-                        target=small_target))
+        rows.append(
+            Row(
+                target.name,
+                "list 1,000 keys",
+                _median(list_ref),
+                _median(list_box),
+                target=small_target,
+            )
+        )
 
         # -- big objects ------------------------------------------------------------------
         for mib in args.sizes:
@@ -209,15 +225,35 @@ def bench_target(target: Target, args: argparse.Namespace) -> list[Row]:
             pr, pb, gr, gb = [], [], [], []
             for rep in range(args.reps):
                 key = f"big-{run_id}/{mib}/{rep}"
-                pr.append(_time(lambda k=key: target.raw_put(k, data)))
-                pb.append(_time(lambda k=key: run(box.put_if_absent(k, data))))
-                gr.append(_time(lambda k=key: target.raw_get(k)))
-                gb.append(_time(lambda k=key: run(box.get(k))))
+                # Alternate who goes first, so neither side always meets a warmer server.
+                for side in (0, 1) if rep % 2 == 0 else (1, 0):
+                    if side == 0:
+                        pr.append(_time(lambda k=key, d=data: target.raw_put(k, d)))
+                        gr.append(_time(lambda k=key: target.raw_get(k)))
+                    else:
+                        pb.append(_time(lambda k=key, d=data: run(box.put_if_absent(k, d))))
+                        gb.append(_time(lambda k=key: run(box.get(k))))
             assert run(box.get(f"big-{run_id}/{mib}/0")) == data
-            rows.append(Row(target.name, f"put {mib} MiB", _median(pr), _median(pb), len(data),
-                            target=big_target))
-            rows.append(Row(target.name, f"get {mib} MiB", _median(gr), _median(gb), len(data),
-                            target=big_target))
+            rows.append(
+                Row(
+                    target.name,
+                    f"put {mib} MiB",
+                    _median(pr),
+                    _median(pb),
+                    len(data),
+                    target=big_target,
+                )
+            )
+            rows.append(
+                Row(
+                    target.name,
+                    f"get {mib} MiB",
+                    _median(gr),
+                    _median(gb),
+                    len(data),
+                    target=big_target,
+                )
+            )
     finally:
         loop.close()
     return rows
@@ -232,7 +268,10 @@ def _fmt(seconds: float, nbytes: int) -> str:
 
 
 def print_table(rows: list[Row]) -> None:
-    header = f"| {'backend':<20} | {'operation':<20} | {'reference':>15} | {'mailbox':>15} | ratio | target |"
+    header = (
+        f"| {'backend':<20} | {'operation':<20} | {'reference':>15} | {'mailbox':>15} "
+        "| ratio | target |"
+    )
     print(header)
     print("|" + "|".join("-" * (len(c) + 0) for c in header.split("|")[1:-1]) + "|")
     for row in rows:
@@ -248,7 +287,7 @@ def print_table(rows: list[Row]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backends", default="memory,filesystem,seaweedfs,moto")
-    parser.add_argument("--reps", type=int, default=5, help="repetitions per big object")
+    parser.add_argument("--reps", type=int, default=8, help="repetitions per big object")
     parser.add_argument("--small", type=int, default=200, help="small puts/gets per backend")
     parser.add_argument("--sizes", default="1,16,64", help="big object sizes in MiB")
     args = parser.parse_args()
