@@ -1,0 +1,504 @@
+"""The round protocol's key layout and records, in one place.
+
+Every object is created once with ``put_if_absent``; numbers in keys have a fixed width, so
+byte order is numeric order. No server clock is used anywhere.
+
+==================================  ==============  ===========================================
+key                                 written by      holds
+==================================  ==============  ===========================================
+``claims/creator``                  first node      :class:`CreatorClaim`: elects the creator
+``manifest.json``                   creator         :class:`Manifest`: format, algorithm, layout
+``rounds/{r:010d}``                 round closer    :class:`Commit`: the round's result
+``snapshots/{r:010d}/{learner}``    learner         :class:`Snapshot`: a contribution to round r
+``claims/{r:010d}/{attempt:04d}``   closer          :class:`Claim`: elects round r's closer
+``leases/{learner}/{beat:010d}``    learner         :class:`Beat`: heartbeat; newest key wins
+``blobs/{sha256}``                  anyone          safetensors bytes named by their hash
+``barriers/{name}/{learner}``       Barrier         arrival (patterns)
+``units/{id}``                      Shared Queue    unit claim (patterns)
+==================================  ==============  ===========================================
+
+Rounds form one monotone sequence. With ``P`` fragments, round ``r`` carries fragment
+``r % P``; rounds ``0 .. P-1`` hold the initial parameters (no contributors), so every
+node starts from identical values, and round ``r >= P`` is based on round ``r - P``.
+
+Records travel as JSON (``TypedDict`` wire shapes below); decoding validates every field
+and raises :class:`ProtocolError` naming the key and the problem.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, TypedDict
+
+from gradientmail.errors import ProtocolError
+
+FORMAT_VERSION = 1
+
+CREATOR = "claims/creator"
+MANIFEST = "manifest.json"
+ROUNDS = "rounds/"
+SNAPSHOTS = "snapshots/"
+CLAIMS = "claims/"
+LEASES = "leases/"
+BLOBS = "blobs/"
+
+_ROUND_WIDTH = 10
+_ATTEMPT_WIDTH = 4
+_LEARNER_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_SHA_RE = re.compile(r"[0-9a-f]{64}")
+
+
+def check_learner_id(learner_id: object) -> str:
+    """Return ``learner_id`` if it can be a key segment, else raise ``ValueError``."""
+    if not isinstance(learner_id, str) or not _LEARNER_RE.fullmatch(learner_id):
+        raise ValueError(
+            f"learner_id {learner_id!r} is not a valid key segment: use 1-128 characters "
+            "from A-Z a-z 0-9 . _ -, starting with a letter or digit"
+        )
+    return learner_id
+
+
+def round_key(r: int) -> str:
+    return f"{ROUNDS}{r:0{_ROUND_WIDTH}d}"
+
+
+def parse_round_key(key: str) -> int:
+    tail = key.removeprefix(ROUNDS)
+    if tail == key or len(tail) != _ROUND_WIDTH or not tail.isdigit():
+        raise ProtocolError(f"{key!r} is not a round key (rounds/ and {_ROUND_WIDTH} digits)")
+    return int(tail)
+
+
+def snapshots_prefix(r: int) -> str:
+    return f"{SNAPSHOTS}{r:0{_ROUND_WIDTH}d}/"
+
+
+def snapshot_key(r: int, learner: str) -> str:
+    return f"{snapshots_prefix(r)}{learner}"
+
+
+def claims_prefix(r: int) -> str:
+    return f"{CLAIMS}{r:0{_ROUND_WIDTH}d}/"
+
+
+def claim_key(r: int, attempt: int) -> str:
+    return f"{claims_prefix(r)}{attempt:0{_ATTEMPT_WIDTH}d}"
+
+
+def parse_claim_attempt(key: str) -> int:
+    tail = key.rpartition("/")[2]
+    if len(tail) != _ATTEMPT_WIDTH or not tail.isdigit():
+        raise ProtocolError(f"{key!r} is not a claim key")
+    return int(tail)
+
+
+def lease_prefix(learner: str) -> str:
+    return f"{LEASES}{learner}/"
+
+
+LEAVING_BEAT = 10**_ROUND_WIDTH - 1
+"""A learner that leaves writes this beat number last: observers drop it at once."""
+
+
+def beat_key(learner: str, beat: int) -> str:
+    return f"{lease_prefix(learner)}{beat:0{_ROUND_WIDTH}d}"
+
+
+def parse_beat_key(key: str) -> tuple[str, int]:
+    """``leases/{learner}/{beat}`` → (learner, beat)."""
+    parts = key.split("/")
+    if len(parts) != 3 or parts[0] != LEASES.rstrip("/") or not parts[2].isdigit():
+        raise ProtocolError(f"{key!r} is not a lease beat key")
+    return parts[1], int(parts[2])
+
+
+def blob_key(sha256_hex: str) -> str:
+    return f"{BLOBS}{sha256_hex}"
+
+
+def blob_sha(key: str) -> str:
+    sha = key.removeprefix(BLOBS)
+    if sha == key or not _SHA_RE.fullmatch(sha):
+        raise ProtocolError(f"{key!r} is not a blob key (blobs/ and a sha256 hex digest)")
+    return sha
+
+
+# -- wire shapes -------------------------------------------------------------------------------
+
+
+class TensorSpecWire(TypedDict):
+    name: str
+    shape: list[int]
+    dtype: str
+
+
+class ManifestWire(TypedDict):
+    format: int
+    creator: str
+    algorithm: dict[str, Any]
+    fragments: list[list[TensorSpecWire]]
+
+
+class ContributionWire(TypedDict):
+    learner: str
+    samples: int
+    payload: str
+
+
+class CommitWire(TypedDict):
+    format: int
+    round: int
+    fragment: int
+    base: int | None
+    contributors: list[ContributionWire]
+    params: str
+    momentum: str | None
+    closer: str
+    attempt: int
+
+
+class SnapshotWire(TypedDict):
+    round: int
+    learner: str
+    samples: int
+    payload: str
+    base: int
+
+
+class ClaimWire(TypedDict):
+    learner: str
+
+
+class BeatWire(TypedDict):
+    learner: str
+    steps: int
+    samples: int
+    leaving: bool
+
+
+# -- records -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    def describe(self) -> str:
+        return f"{self.name} {self.dtype}{list(self.shape)}"
+
+
+@dataclass(frozen=True)
+class Manifest:
+    creator: str
+    algorithm: Mapping[str, Any]
+    fragments: tuple[tuple[TensorSpec, ...], ...]
+    format: int = FORMAT_VERSION
+
+    @property
+    def num_fragments(self) -> int:
+        return len(self.fragments)
+
+    def to_wire(self) -> ManifestWire:
+        return {
+            "format": self.format,
+            "creator": self.creator,
+            "algorithm": dict(self.algorithm),
+            "fragments": [
+                [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype} for t in fragment]
+                for fragment in self.fragments
+            ],
+        }
+
+    def differences(self, other: Manifest) -> list[str]:
+        """Human-readable differences in algorithm settings and model layout."""
+        found: list[str] = []
+        for name in sorted(set(self.algorithm) | set(other.algorithm)):
+            mine, theirs = self.algorithm.get(name), other.algorithm.get(name)
+            if mine != theirs:
+                found.append(f"algorithm {name}: run has {mine!r}, this node has {theirs!r}")
+        if self.num_fragments != other.num_fragments:
+            found.append(
+                f"fragments: run has {self.num_fragments}, this node has {other.num_fragments}"
+            )
+        mine_specs = {t.name: t for f in self.fragments for t in f}
+        their_specs = {t.name: t for f in other.fragments for t in f}
+        for name in sorted(set(mine_specs) - set(their_specs))[:5]:
+            found.append(f"parameter {name} is in the run's model but not in this node's")
+        for name in sorted(set(their_specs) - set(mine_specs))[:5]:
+            found.append(f"parameter {name} is in this node's model but not in the run's")
+        for name in sorted(set(mine_specs) & set(their_specs)):
+            if mine_specs[name] != their_specs[name] and len(found) < 10:
+                found.append(
+                    f"parameter {name}: run has {mine_specs[name].describe()}, "
+                    f"this node has {their_specs[name].describe()}"
+                )
+        if not found and self.fragments != other.fragments:
+            found.append("parameters are split into fragments differently")
+        return found
+
+
+@dataclass(frozen=True)
+class Contribution:
+    learner: str
+    samples: int
+    payload: str
+
+
+@dataclass(frozen=True)
+class Commit:
+    """Round ``round``'s result for ``fragment``: new parameters and outer momentum.
+
+    Recomputable from this record and the commit of round ``base`` (``round - P``).
+    Rounds ``< P`` are the initial commits: ``base`` is ``None`` and there are no
+    contributors.
+    """
+
+    round: int
+    fragment: int
+    base: int | None
+    contributors: tuple[Contribution, ...]
+    params: str
+    momentum: str | None
+    closer: str
+    attempt: int = 0
+    format: int = FORMAT_VERSION
+
+    @property
+    def samples(self) -> int:
+        return sum(c.samples for c in self.contributors)
+
+    def to_wire(self) -> CommitWire:
+        return {
+            "format": self.format,
+            "round": self.round,
+            "fragment": self.fragment,
+            "base": self.base,
+            "contributors": [asdict(c) for c in self.contributors],  # type: ignore[misc]
+            "params": self.params,
+            "momentum": self.momentum,
+            "closer": self.closer,
+            "attempt": self.attempt,
+        }
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    round: int
+    learner: str
+    samples: int
+    payload: str
+    base: int
+
+    def to_wire(self) -> SnapshotWire:
+        return {
+            "round": self.round,
+            "learner": self.learner,
+            "samples": self.samples,
+            "payload": self.payload,
+            "base": self.base,
+        }
+
+
+@dataclass(frozen=True)
+class Claim:
+    learner: str
+
+    def to_wire(self) -> ClaimWire:
+        return {"learner": self.learner}
+
+
+@dataclass(frozen=True)
+class Beat:
+    learner: str
+    steps: int = 0
+    samples: int = 0
+    leaving: bool = False
+
+    def to_wire(self) -> BeatWire:
+        return {
+            "learner": self.learner,
+            "steps": self.steps,
+            "samples": self.samples,
+            "leaving": self.leaving,
+        }
+
+
+@dataclass(frozen=True)
+class CreatorClaim:
+    learner: str
+    format: int = field(default=FORMAT_VERSION)
+
+
+# -- JSON codec --------------------------------------------------------------------------------
+
+
+def encode(record: Any) -> bytes:
+    """Canonical JSON bytes of a record (sorted keys, no spaces)."""
+    wire = record.to_wire() if hasattr(record, "to_wire") else asdict(record)
+    return json.dumps(wire, sort_keys=True, separators=(",", ":")).encode()
+
+
+class _Reader:
+    """Typed field access on a decoded JSON object, raising ProtocolError with the key."""
+
+    def __init__(self, key: str, data: bytes | None) -> None:
+        self.key = key
+        if data is None:
+            raise ProtocolError(f"{key}: the object is missing")
+        try:
+            value = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ProtocolError(
+                f"{key}: not valid JSON ({exc}); truncated or not written by GradientMail"
+            ) from exc
+        if not isinstance(value, dict):
+            raise ProtocolError(f"{key}: expected a JSON object, got {type(value).__name__}")
+        self.obj: dict[str, Any] = value
+
+    @classmethod
+    def of(cls, key: str, obj: object) -> _Reader:
+        reader = cls.__new__(cls)
+        reader.key = key
+        if not isinstance(obj, dict):
+            raise ProtocolError(f"{key}: expected a JSON object, got {obj!r}")
+        reader.obj = obj
+        return reader
+
+    def _get(self, name: str, kinds: tuple[type, ...], optional: bool = False) -> Any:
+        if name not in self.obj:
+            if optional:
+                return None
+            raise ProtocolError(f"{self.key}: field {name!r} is missing")
+        value = self.obj[name]
+        if value is None and optional:
+            return None
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            raise ProtocolError(f"{self.key}: field {name!r} has the wrong type: {value!r}")
+        return value
+
+    def text(self, name: str) -> str:
+        value: str = self._get(name, (str,))
+        return value
+
+    def opt_text(self, name: str) -> str | None:
+        value: str | None = self._get(name, (str,), optional=True)
+        return value
+
+    def integer(self, name: str, minimum: int = 0) -> int:
+        value: int = self._get(name, (int,))
+        if value < minimum:
+            raise ProtocolError(f"{self.key}: field {name!r} is {value}, below {minimum}")
+        return value
+
+    def opt_integer(self, name: str) -> int | None:
+        value: int | None = self._get(name, (int,), optional=True)
+        return value
+
+    def flag(self, name: str) -> bool:
+        value: bool = self._get(name, (bool,))
+        return value
+
+    def items(self, name: str) -> list[Any]:
+        value: list[Any] = self._get(name, (list,))
+        return value
+
+    def mapping(self, name: str) -> dict[str, Any]:
+        value: dict[str, Any] = self._get(name, (dict,))
+        return value
+
+    def format(self) -> int:
+        version = self.integer("format")
+        if version != FORMAT_VERSION:
+            raise ProtocolError(
+                f"{self.key}: format version {version}; this GradientMail speaks "
+                f"{FORMAT_VERSION}. Upgrade every node to the same release."
+            )
+        return version
+
+
+def decode_creator(key: str, data: bytes | None) -> CreatorClaim:
+    reader = _Reader(key, data)
+    return CreatorClaim(check_learner_id(reader.text("learner")), reader.format())
+
+
+def decode_manifest(key: str, data: bytes | None) -> Manifest:
+    reader = _Reader(key, data)
+    reader.format()
+    fragments = []
+    for index, raw in enumerate(reader.items("fragments")):
+        if not isinstance(raw, list):
+            raise ProtocolError(f"{key}: fragment {index} is not a list")
+        specs = []
+        for item in raw:
+            sub = _Reader.of(f"{key} fragment {index}", item)
+            shape = sub.items("shape")
+            if not all(isinstance(n, int) and n >= 0 for n in shape):
+                raise ProtocolError(f"{key}: bad shape {shape!r}")
+            specs.append(TensorSpec(sub.text("name"), tuple(shape), sub.text("dtype")))
+        fragments.append(tuple(specs))
+    if not fragments:
+        raise ProtocolError(f"{key}: the manifest lists no fragments")
+    return Manifest(reader.text("creator"), reader.mapping("algorithm"), tuple(fragments))
+
+
+def decode_commit(key: str, data: bytes | None) -> Commit:
+    reader = _Reader(key, data)
+    reader.format()
+    contributors = []
+    for item in reader.items("contributors"):
+        sub = _Reader.of(f"{key} contributor", item)
+        payload = sub.text("payload")
+        blob_sha(payload)
+        contributors.append(
+            Contribution(check_learner_id(sub.text("learner")), sub.integer("samples", 1), payload)
+        )
+    params = reader.text("params")
+    blob_sha(params)
+    momentum = reader.opt_text("momentum")
+    if momentum is not None:
+        blob_sha(momentum)
+    commit = Commit(
+        round=reader.integer("round"),
+        fragment=reader.integer("fragment"),
+        base=reader.opt_integer("base"),
+        contributors=tuple(contributors),
+        params=params,
+        momentum=momentum,
+        closer=reader.text("closer"),
+        attempt=reader.integer("attempt"),
+    )
+    if key.startswith(ROUNDS) and parse_round_key(key) != commit.round:
+        raise ProtocolError(f"{key}: the record says round {commit.round}")
+    return commit
+
+
+def decode_snapshot(key: str, data: bytes | None) -> Snapshot:
+    reader = _Reader(key, data)
+    payload = reader.text("payload")
+    blob_sha(payload)
+    return Snapshot(
+        round=reader.integer("round"),
+        learner=check_learner_id(reader.text("learner")),
+        samples=reader.integer("samples", 1),
+        payload=payload,
+        base=reader.integer("base"),
+    )
+
+
+def decode_claim(key: str, data: bytes | None) -> Claim:
+    return Claim(_Reader(key, data).text("learner"))
+
+
+def decode_beat(key: str, data: bytes | None) -> Beat:
+    reader = _Reader(key, data)
+    return Beat(
+        learner=reader.text("learner"),
+        steps=reader.integer("steps"),
+        samples=reader.integer("samples"),
+        leaving=reader.flag("leaving"),
+    )
