@@ -12,6 +12,9 @@ Package map:
 - ``cli.py``: the ``gradientmail`` command.
 """
 
+from gradientmail import events
+from gradientmail._join import align
+from gradientmail.algorithms import DiLoCo
 from gradientmail.errors import (
     MailboxConfigError,
     MailboxError,
@@ -24,8 +27,10 @@ from gradientmail.mailbox.file import FileMailbox
 from gradientmail.mailbox.memory import MemoryMailbox
 from gradientmail.mailbox.s3 import S3Mailbox
 from gradientmail.mailbox.url import open_mailbox
+from gradientmail.session import Session
 
 __all__ = [
+    "DiLoCo",
     "FileMailbox",
     "Mailbox",
     "MailboxConfigError",
@@ -35,6 +40,9 @@ __all__ = [
     "PayloadCorrupt",
     "ProtocolError",
     "S3Mailbox",
+    "Session",
+    "align",
+    "events",
     "open_mailbox",
 ]
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from gradientmail.errors import ProtocolError
 from gradientmail.protocol import LEAVING_BEAT, parse_beat_key
 
-__all__ = ["LeaseTracker", "LearnerLease"]
+__all__ = ["LearnerLease", "LeaseTracker"]
 
 
 @dataclass(frozen=True)

@@ -27,15 +27,17 @@ and raises :class:`ProtocolError` naming the key and the problem.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, TypedDict
+from typing import Any, TypedDict, TypeVar
 
 from gradientmail.errors import ProtocolError
 
 FORMAT_VERSION = 1
+_R = TypeVar("_R")
 
 CREATOR = "claims/creator"
 MANIFEST = "manifest.json"
@@ -110,9 +112,29 @@ def beat_key(learner: str, beat: int) -> str:
 def parse_beat_key(key: str) -> tuple[str, int]:
     """``leases/{learner}/{beat}`` → (learner, beat)."""
     parts = key.split("/")
-    if len(parts) != 3 or parts[0] != LEASES.rstrip("/") or not parts[2].isdigit():
+    if (
+        len(parts) != 3
+        or parts[0] != LEASES.rstrip("/")
+        or len(parts[2]) != _ROUND_WIDTH
+        or not parts[2].isdigit()
+        or not _LEARNER_RE.fullmatch(parts[1])
+    ):
         raise ProtocolError(f"{key!r} is not a lease beat key")
     return parts[1], int(parts[2])
+
+
+def parse_snapshot_key(key: str) -> tuple[int, str]:
+    """``snapshots/{round}/{learner}`` → (round, learner)."""
+    parts = key.split("/")
+    if (
+        len(parts) != 3
+        or parts[0] != SNAPSHOTS.rstrip("/")
+        or len(parts[1]) != _ROUND_WIDTH
+        or not parts[1].isdigit()
+        or not _LEARNER_RE.fullmatch(parts[2])
+    ):
+        raise ProtocolError(f"{key!r} is not a snapshot key")
+    return int(parts[1]), parts[2]
 
 
 def blob_key(sha256_hex: str) -> str:
@@ -421,11 +443,30 @@ class _Reader:
         return version
 
 
+def _names_key(decoder: Callable[[str, bytes | None], _R]) -> Callable[[str, bytes | None], _R]:
+    """Re-raise a decoder's complaint as a ProtocolError that names the record's key."""
+
+    @functools.wraps(decoder)
+    def decode(key: str, data: bytes | None) -> _R:
+        try:
+            return decoder(key, data)
+        except ProtocolError as exc:
+            if str(exc).startswith(key):
+                raise
+            raise ProtocolError(f"{key}: {exc}") from exc
+        except ValueError as exc:
+            raise ProtocolError(f"{key}: {exc}") from exc
+
+    return decode
+
+
+@_names_key
 def decode_creator(key: str, data: bytes | None) -> CreatorClaim:
     reader = _Reader(key, data)
     return CreatorClaim(check_learner_id(reader.text("learner")), reader.format())
 
 
+@_names_key
 def decode_manifest(key: str, data: bytes | None) -> Manifest:
     reader = _Reader(key, data)
     reader.format()
@@ -446,6 +487,7 @@ def decode_manifest(key: str, data: bytes | None) -> Manifest:
     return Manifest(reader.text("creator"), reader.mapping("algorithm"), tuple(fragments))
 
 
+@_names_key
 def decode_commit(key: str, data: bytes | None) -> Commit:
     reader = _Reader(key, data)
     reader.format()
@@ -477,6 +519,7 @@ def decode_commit(key: str, data: bytes | None) -> Commit:
     return commit
 
 
+@_names_key
 def decode_snapshot(key: str, data: bytes | None) -> Snapshot:
     reader = _Reader(key, data)
     payload = reader.text("payload")
@@ -490,10 +533,12 @@ def decode_snapshot(key: str, data: bytes | None) -> Snapshot:
     )
 
 
+@_names_key
 def decode_claim(key: str, data: bytes | None) -> Claim:
     return Claim(_Reader(key, data).text("learner"))
 
 
+@_names_key
 def decode_beat(key: str, data: bytes | None) -> Beat:
     reader = _Reader(key, data)
     return Beat(

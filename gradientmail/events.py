@@ -1,0 +1,105 @@
+"""Events a Session reports, and the counters it keeps.
+
+Events are frozen dataclasses. A Session keeps the most recent ones in ``session.events``
+and passes each to its ``on_event`` callback, which runs on a background thread and must
+be quick and thread-safe. Background failures never stop a Session: they become
+``PollFailed`` / ``PublishFailed`` / ``RoundFailed`` events and the loop goes on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = [
+    "Applied",
+    "Committed",
+    "Event",
+    "Joined",
+    "Left",
+    "PollFailed",
+    "PublishFailed",
+    "Published",
+    "RoundFailed",
+    "SyncSkipped",
+]
+
+
+@dataclass(frozen=True)
+class Event:
+    learner: str
+
+
+@dataclass(frozen=True)
+class Joined(Event):
+    creator: bool
+    rounds: tuple[int, ...]  # newest commit of each fragment loaded at join
+
+
+@dataclass(frozen=True)
+class Published(Event):
+    round: int
+    fragment: int
+    samples: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class SyncSkipped(Event):
+    """A fragment came due while its previous contribution was still in flight."""
+
+    fragment: int
+    step: int
+
+
+@dataclass(frozen=True)
+class Committed(Event):
+    """This learner closed a round (or adopted the record another closer wrote first)."""
+
+    round: int
+    fragment: int
+    contributors: tuple[str, ...]
+    adopted: bool
+
+
+@dataclass(frozen=True)
+class Applied(Event):
+    round: int
+    fragment: int
+    contributed: bool
+    lag_s: float  # from publishing this fragment to applying its commit (0 if not contributed)
+
+
+@dataclass(frozen=True)
+class Left(Event):
+    clean: bool
+
+
+@dataclass(frozen=True)
+class PollFailed(Event):
+    error: str
+
+
+@dataclass(frozen=True)
+class PublishFailed(Event):
+    round: int
+    error: str
+
+
+@dataclass(frozen=True)
+class RoundFailed(Event):
+    round: int
+    error: str
+
+
+@dataclass
+class Counters:
+    """Traffic and progress, readable at any time through ``Session.counters()``."""
+
+    requests: dict[str, int] = field(default_factory=dict)  # "put:blobs", "list:rounds", ...
+    bytes_up: dict[str, int] = field(default_factory=dict)  # by key kind
+    bytes_down: dict[str, int] = field(default_factory=dict)
+    published: int = 0
+    closed: int = 0
+    applied: int = 0
+    skipped_syncs: int = 0
+    last_commit_lag_s: float | None = None

@@ -1,0 +1,257 @@
+"""A read-only view of a run, built from its mailbox alone (``gradientmail status``, operator).
+
+What it shows: whether the run exists, its creator, fragments and algorithm (the manifest);
+training rounds committed, the newest round overall and per fragment, who contributed to
+the newest one and the samples committed; every learner with its newest beat, liveness,
+steps and samples; rounds that have snapshots but no commit yet; the age of the newest
+commit and the sample throughput. Ages and rates use the observer's own monotonic clock:
+no server timestamp is read, as everywhere in the protocol.
+
+It only reads: ``get`` and ``list``, never ``put_if_absent`` or ``delete``.
+:class:`RunWatcher` keeps a cursor over ``rounds/`` (one monotone sequence) and a beat
+cache, so a poll reads only the commit records and beats that are new since the last one.
+A malformed record raises :class:`ProtocolError` naming its key; :class:`MailboxUnavailable`
+propagates (state read before the failure is kept, so the next poll goes on from there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, TypeVar
+
+from gradientmail._leases import LeaseTracker
+from gradientmail.errors import ProtocolError
+from gradientmail.mailbox import Mailbox
+from gradientmail.protocol import (
+    CREATOR,
+    LEASES,
+    MANIFEST,
+    ROUNDS,
+    SNAPSHOTS,
+    Beat,
+    Commit,
+    CreatorClaim,
+    Manifest,
+    beat_key,
+    decode_beat,
+    decode_commit,
+    decode_creator,
+    decode_manifest,
+    parse_round_key,
+    snapshot_key,
+)
+
+__all__ = ["LearnerView", "RunView", "RunWatcher", "inspect_run"]
+
+_BATCH = 64  # records read concurrently; the cursor advances after each batch
+T = TypeVar("T")
+
+
+def _decode(decode: Callable[[str, bytes | None], T], key: str, data: bytes | None) -> T:
+    """``decode(key, data)``, with ``key`` named in every failure.
+
+    Some checks the decoders call (blob keys, learner ids) raise without the record's key,
+    or raise ``ValueError``; both become a :class:`ProtocolError` that names it.
+    """
+    try:
+        return decode(key, data)
+    except (ProtocolError, ValueError) as exc:
+        if isinstance(exc, ProtocolError) and str(exc).startswith(key):
+            raise
+        raise ProtocolError(f"{key}: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class LearnerView:
+    learner: str
+    live: bool
+    beat: int
+    leaving: bool
+    steps: int | None  # from the newest Beat record (None if it could not be read)
+    samples: int | None
+    seconds_since_beat: float  # observer's clock since the newest beat key last changed
+
+
+@dataclass(frozen=True)
+class RunView:
+    exists: bool  # False while the prefix holds neither claims/creator nor the manifest
+    creator: str | None
+    fragments: int | None  # None before the manifest exists
+    algorithm: Mapping[str, Any] | None
+    rounds_committed: int  # training commits (round >= fragments)
+    newest_round: int | None  # newest training round
+    newest_per_fragment: Mapping[int, int]  # fragment -> newest round, initial ones included
+    last_contributors: tuple[str, ...]  # learners of the newest training commit
+    samples_committed: int  # contributor samples over every training commit seen
+    learners: tuple[LearnerView, ...]  # sorted by learner id
+    live_learners: int
+    open_rounds: Mapping[int, tuple[str, ...]]  # snapshotted, uncommitted rounds -> learners
+    seconds_since_commit: float | None  # observer's clock since the newest commit was seen
+    samples_per_second: float | None  # between the last two polls that changed the samples
+
+
+class RunWatcher:
+    """Polls one run's mailbox and keeps what it read, so each poll reads only what is new.
+
+    One poll at a time per watcher. ``clock`` must be monotonic; tests inject a fake one.
+    """
+
+    def __init__(
+        self,
+        mailbox: Mailbox,
+        *,
+        lease_timeout: float = 15.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._mailbox = mailbox
+        self._clock = clock
+        self._leases = LeaseTracker(lease_timeout, clock)
+        self._claim: CreatorClaim | None = None
+        self._manifest: Manifest | None = None
+        self._cursor = ""  # key of the newest commit read
+        self._newest: int | None = None  # newest committed round, initial ones included
+        self._per_fragment: dict[int, int] = {}
+        self._rounds_committed = 0
+        self._last_training: Commit | None = None
+        self._samples = 0
+        self._commit_seen_at: float | None = None
+        self._beats: dict[str, tuple[int, Beat | None]] = {}  # learner -> (beat, its record)
+        self._reported_samples = 0
+        self._changes: list[tuple[float, int]] = []  # last two (clock, samples) changes
+        self._polling = False
+
+    async def poll(self) -> RunView:
+        """Read what is new in the mailbox and return the whole view."""
+        if self._polling:
+            raise RuntimeError("RunWatcher.poll is already running: poll one at a time")
+        self._polling = True
+        try:
+            await self._read_heads()
+            if self._manifest is not None:
+                await self._read_rounds(self._manifest.num_fragments)
+            self._leases.observe(await self._mailbox.list(LEASES))
+            await self._read_beats()
+            snapshots = await self._mailbox.list(SNAPSHOTS)
+            return self._view(snapshots, self._clock())
+        finally:
+            self._polling = False
+
+    async def _read_all(self, keys: Sequence[str]) -> list[bytes | None]:
+        return list(await asyncio.gather(*(self._mailbox.get(key) for key in keys)))
+
+    async def _read_heads(self) -> None:
+        # Both are created once and never change: read each until it exists, then never.
+        if self._manifest is None:
+            data = await self._mailbox.get(MANIFEST)
+            if data is not None:
+                self._manifest = _decode(decode_manifest, MANIFEST, data)
+        if self._manifest is None and self._claim is None:
+            data = await self._mailbox.get(CREATOR)
+            if data is not None:
+                self._claim = _decode(decode_creator, CREATOR, data)
+
+    async def _read_rounds(self, fragments: int) -> None:
+        keys = await self._mailbox.list(ROUNDS, after=self._cursor)
+        for start in range(0, len(keys), _BATCH):
+            batch = keys[start : start + _BATCH]
+            rounds = [parse_round_key(key) for key in batch]
+            records = await self._read_all(batch)
+            seen = self._clock()
+            for key, r, data in zip(batch, rounds, records, strict=True):
+                commit = _decode(decode_commit, key, data)
+                if commit.fragment != r % fragments:
+                    raise ProtocolError(
+                        f"{key}: the record says fragment {commit.fragment}, but with "
+                        f"{fragments} fragments round {r} carries fragment {r % fragments}"
+                    )
+                self._cursor, self._newest, self._commit_seen_at = key, r, seen
+                self._per_fragment[commit.fragment] = r
+                if r >= fragments:
+                    self._rounds_committed += 1
+                    self._samples += commit.samples
+                    self._last_training = commit
+
+    async def _read_beats(self) -> None:
+        changed = [
+            (lease.learner, lease.beat)
+            for lease in self._leases.known().values()
+            if self._beats.get(lease.learner, (None,))[0] != lease.beat
+        ]
+        keys = [beat_key(learner, beat) for learner, beat in changed]
+        for (learner, beat), key, data in zip(
+            changed, keys, await self._read_all(keys), strict=True
+        ):
+            # A beat swept between the listing and this read leaves steps and samples unknown.
+            record = None if data is None else _decode(decode_beat, key, data)
+            if record is not None and record.learner != learner:
+                raise ProtocolError(f"{key}: the record names learner {record.learner!r}")
+            self._beats[learner] = (beat, record)
+
+    def _open_rounds(self, snapshots: Sequence[str]) -> dict[int, tuple[str, ...]]:
+        found: dict[int, list[str]] = {}
+        for key in snapshots:
+            number, _, learner = key.removeprefix(SNAPSHOTS).partition("/")
+            if not number.isdigit() or snapshot_key(int(number), learner) != key:
+                continue  # not a snapshot (someone else's object): ignore rather than fail
+            r = int(number)
+            if self._newest is None or r > self._newest:  # commits are one ordered sequence
+                found.setdefault(r, []).append(learner)
+        return {r: tuple(learners) for r, learners in found.items()}
+
+    def _view(self, snapshots: Sequence[str], now: float) -> RunView:
+        live = self._leases.live()
+        learners = []
+        for learner, lease in sorted(self._leases.known().items()):
+            beat = self._beats.get(learner, (None, None))[1]
+            leaving = lease.leaving or (beat is not None and beat.leaving)
+            learners.append(
+                LearnerView(
+                    learner=learner,
+                    live=learner in live and not leaving,
+                    beat=lease.beat,
+                    leaving=leaving,
+                    steps=None if beat is None else beat.steps,
+                    samples=None if beat is None else beat.samples,
+                    seconds_since_beat=max(0.0, now - lease.changed_at),
+                )
+            )
+        if self._samples != self._reported_samples:
+            self._changes = [*self._changes[-1:], (now, self._samples)]
+            self._reported_samples = self._samples
+        rate = None
+        if len(self._changes) == 2:
+            (t0, s0), (t1, s1) = self._changes
+            rate = (s1 - s0) / (t1 - t0) if t1 > t0 else None
+        manifest, last = self._manifest, self._last_training
+        creator = manifest.creator if manifest else self._claim.learner if self._claim else None
+        return RunView(
+            exists=manifest is not None or self._claim is not None,
+            creator=creator,
+            fragments=manifest.num_fragments if manifest else None,
+            algorithm=MappingProxyType(dict(manifest.algorithm)) if manifest else None,
+            rounds_committed=self._rounds_committed,
+            newest_round=last.round if last else None,
+            newest_per_fragment=MappingProxyType(dict(self._per_fragment)),
+            last_contributors=tuple(c.learner for c in last.contributors) if last else (),
+            samples_committed=self._samples,
+            learners=tuple(learners),
+            live_learners=sum(view.live for view in learners),
+            open_rounds=MappingProxyType(self._open_rounds(snapshots)),
+            seconds_since_commit=(
+                None if self._commit_seen_at is None else max(0.0, now - self._commit_seen_at)
+            ),
+            samples_per_second=rate,
+        )
+
+
+async def inspect_run(mailbox: Mailbox, *, lease_timeout: float = 15.0) -> RunView:
+    """One-shot view of the run in ``mailbox`` (a fresh :class:`RunWatcher`, one poll).
+
+    With a single poll, ``seconds_since_commit`` is 0.0 once any commit exists and
+    ``samples_per_second`` is None: both need an observer that has watched for a while.
+    """
+    return await RunWatcher(mailbox, lease_timeout=lease_timeout).poll()

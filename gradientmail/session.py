@@ -1,0 +1,535 @@
+"""Session: one learner's membership in a run.
+
+The constructor joins on the calling thread: it creates the run or checks that this node
+matches it, then loads the newest commit of every fragment into the model. Two background
+threads follow, each with its own event loop and one shared mailbox:
+
+- the *communication* thread publishes contributions, renews the lease, and closes rounds
+  this learner contributed to (``_closer.py``);
+- the *syncer* polls ``rounds/`` for new commits, verifies them and stages them.
+
+The training thread only ever calls :meth:`Session.step`: it applies staged commits to the
+model (so parameters never change under a running optimizer step; no lock is needed) and,
+when a fragment is due, copies it and hands the copy over. It never waits on the network.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from functools import partial
+from types import TracebackType
+
+import torch
+
+from gradientmail import protocol as p
+from gradientmail._closer import RoundCloser
+from gradientmail._join import establish, load_newest
+from gradientmail._layout import ModelLayout
+from gradientmail._leases import LeaseTracker
+from gradientmail._metered import Metered
+from gradientmail._retry import Stopped, retrying
+from gradientmail._threads import run_coroutine
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.errors import ProtocolError
+from gradientmail.events import (
+    Applied,
+    Counters,
+    Event,
+    Joined,
+    Left,
+    PollFailed,
+    Published,
+    PublishFailed,
+    RoundFailed,
+    SyncSkipped,
+)
+from gradientmail.mailbox import Mailbox
+from gradientmail.payload import get_tensors, put_tensors
+
+__all__ = ["Session"]
+
+_TICK = 0.02  # how often the communication thread looks for work handed over by step()
+
+
+def _default_learner_id() -> str:
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()) or "host"
+    return p.check_learner_id(f"{host[:100]}-{os.getpid()}")
+
+
+@dataclass(eq=False)
+class _Pending:
+    """A contribution from the training thread: fragment copy, samples, round."""
+
+    round: int
+    fragment: int
+    base: int
+    snapshot: dict[str, torch.Tensor]
+    base_params: dict[str, torch.Tensor]
+    samples: int
+    payload: str | None = None
+    published_at: float | None = None
+    cancelled: bool = False
+
+
+@dataclass(frozen=True)
+class _Staged:
+    commit: p.Commit
+    params: dict[str, torch.Tensor]
+    mine: frozenset[tuple[int, str]] = field(default_factory=frozenset)  # (round, payload)
+
+
+class Session:
+    """Join a run as ``learner_id`` and train ``model`` in it.
+
+    ``quorum_size`` contributions let a round close once ``round_timeout`` seconds passed
+    without every live learner contributing. ``lease_timeout`` is how long a learner stays
+    live without a new beat. ``on_event`` is called on background threads.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        algorithm: DiLoCo,
+        mailbox: Mailbox,
+        learner_id: str | None = None,
+        quorum_size: int = 1,
+        round_timeout: float = 10.0,
+        poll_interval: float = 0.5,
+        lease_timeout: float = 15.0,
+        join_timeout: float = 120.0,
+        close_timeout: float = 120.0,
+        keep_rounds: int = 2,
+        on_event: Callable[[Event], None] | None = None,
+    ) -> None:
+        # Everything is validated before anything is written.
+        if not isinstance(algorithm, DiLoCo):
+            raise TypeError(f"algorithm must be a gm.DiLoCo, not {type(algorithm).__name__}")
+        if not isinstance(mailbox, Mailbox):
+            raise TypeError(f"mailbox must implement gm.Mailbox, not {type(mailbox).__name__}")
+        self.learner_id = (
+            _default_learner_id() if learner_id is None else p.check_learner_id(learner_id)
+        )
+        if not isinstance(quorum_size, int) or quorum_size < 1:
+            raise ValueError(f"quorum_size must be an int >= 1, not {quorum_size!r}")
+        for name, value in (
+            ("round_timeout", round_timeout),
+            ("poll_interval", poll_interval),
+            ("lease_timeout", lease_timeout),
+            ("join_timeout", join_timeout),
+            ("close_timeout", close_timeout),
+        ):
+            if not isinstance(value, int | float) or value <= 0:
+                raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
+        if not isinstance(keep_rounds, int) or keep_rounds < 1:
+            raise ValueError(f"keep_rounds must be an int >= 1, not {keep_rounds!r}")
+
+        self.algorithm = algorithm
+        self.model = model
+        self._layout = ModelLayout(model, algorithm)
+        self._fragments = self._layout.count
+        self.poll_interval = float(poll_interval)
+        self.close_timeout = float(close_timeout)
+        self._on_event = on_event
+        self._lock = threading.Lock()
+        self._changed = threading.Event()
+        self._stop = threading.Event()
+        self._counters = Counters()
+        self.events: deque[Event] = deque(maxlen=1000)
+        self._box = Metered(mailbox, self._counters, self._lock)
+        self._tracker = LeaseTracker(lease_timeout)
+        self._beat_interval = lease_timeout / 3
+        self._closer = RoundCloser(
+            self._box,
+            self._layout,
+            algorithm,
+            self.learner_id,
+            self._tracker,
+            quorum_size=quorum_size,
+            round_timeout=round_timeout,
+            keep_rounds=keep_rounds,
+            emit=self._emit,
+        )
+
+        # Training-thread state (the lock guards what the background threads also touch).
+        self._steps = 0
+        self._samples = 0
+        self._since = [0] * self._fragments  # samples since each fragment's last contribution
+        self._applied = [0] * self._fragments
+        self._ref: list[dict[str, torch.Tensor]] = [{} for _ in range(self._fragments)]
+        self._inflight: dict[int, _Pending] = {}
+        self._outbox: deque[_Pending] = deque()
+        self._staged: list[_Staged] = []
+        self._known = [0] * self._fragments  # newest commit per fragment seen by the syncer
+        self._committed: set[int] = set()
+        self._fast: dict[int, dict[str, torch.Tensor]] = {}  # rounds this node closed
+        self._beat_no = 0
+        self._closed = False
+
+        self.creator = run_coroutine(self._join(float(join_timeout)))
+        self._threads = [
+            threading.Thread(
+                target=self._thread_main,
+                args=(self._communicate,),
+                name=f"gm-comm-{self.learner_id}",
+                daemon=True,
+            ),
+            threading.Thread(
+                target=self._thread_main,
+                args=(self._sync,),
+                name=f"gm-sync-{self.learner_id}",
+                daemon=True,
+            ),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    # -- public ------------------------------------------------------------------------------
+
+    def step(self, samples: int = 1) -> None:
+        """Count one local training step over ``samples`` samples; sync when due.
+
+        Call it after the optimizer step. It applies commits that arrived (in place, on this
+        thread) and, when a fragment is due, copies it for the communication thread.
+        """
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+            raise ValueError(f"step(samples={samples!r}): samples must be an int >= 1")
+        if self._closed:
+            raise RuntimeError("step() on a closed Session")
+        self._apply_staged()
+        self._steps += 1
+        self._samples += samples
+        for index in range(self._fragments):
+            self._since[index] += samples
+        fragment = self.algorithm.due_fragment(self._steps)
+        if fragment is None:
+            return
+        with self._lock:
+            busy = fragment in self._inflight
+            if busy:
+                self._counters.skipped_syncs += 1
+        if busy:
+            self._emit(SyncSkipped(self.learner_id, fragment=fragment, step=self._steps))
+            return
+        pending = _Pending(
+            round=self._applied[fragment] + self._fragments,
+            fragment=fragment,
+            base=self._applied[fragment],
+            snapshot=self._layout.copy_out(fragment),
+            base_params=self._ref[fragment],
+            samples=self._since[fragment],
+        )
+        self._since[fragment] = 0
+        with self._lock:
+            self._inflight[fragment] = pending
+            self._outbox.append(pending)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for this learner's rounds in flight to commit, then leave the run."""
+        if self._closed:
+            return
+        limit = self.close_timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        waiting: list[int] = []
+        while True:
+            self._apply_staged()
+            with self._lock:
+                waiting = sorted(pending.round for pending in self._inflight.values())
+            if not waiting or time.monotonic() > deadline:
+                break
+            self._changed.wait(0.05)
+            self._changed.clear()
+        self._closed = True
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=60)
+        try:
+            run_coroutine(self._beat(leaving=True, deadline=time.monotonic() + 30))
+        except Exception as exc:  # the lease will lapse on its own
+            self._emit(PollFailed(self.learner_id, error=f"leaving beat: {exc!r}"))
+        self._emit(Left(self.learner_id, clean=not waiting))
+        if waiting:
+            raise TimeoutError(
+                f"Session.close(): rounds {waiting} of learner {self.learner_id} did not "
+                f"commit within {limit:.0f} s; their contributions may be lost"
+            )
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            self.close()
+        except TimeoutError:
+            if exc is None:
+                raise
+
+    def counters(self) -> Counters:
+        """A copy of the traffic and progress counters."""
+        with self._lock:
+            c = self._counters
+            return replace(
+                c,
+                requests=dict(c.requests),
+                bytes_up=dict(c.bytes_up),
+                bytes_down=dict(c.bytes_down),
+            )
+
+    @property
+    def steps(self) -> int:
+        return self._steps
+
+    @property
+    def rounds(self) -> tuple[int, ...]:
+        """The round of the commit currently applied, per fragment."""
+        return tuple(self._applied)
+
+    # -- joining -----------------------------------------------------------------------------
+
+    async def _join(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        _, creator = await establish(
+            self._box, self._layout, self.algorithm, self.learner_id, timeout
+        )
+        rounds, tensors = await load_newest(self._box, self._layout, deadline)
+        for fragment, values in tensors.items():
+            self._layout.load(fragment, values)
+            self._ref[fragment] = values
+            self._applied[fragment] = self._known[fragment] = rounds[fragment]
+        # A restarted learner continues its own beat numbers; a leaving beat from a previous
+        # life would mark it gone for good, so it goes first.
+        own = await retrying(
+            partial(self._box.list, p.lease_prefix(self.learner_id)), deadline=deadline
+        )
+        beats = [p.parse_beat_key(key)[1] for key in own]
+        if p.LEAVING_BEAT in beats:
+            await retrying(partial(self._box.delete, [p.beat_key(self.learner_id, p.LEAVING_BEAT)]))
+            beats.remove(p.LEAVING_BEAT)
+        self._beat_no = max(beats, default=-1) + 1
+        await self._beat(deadline=deadline)
+        self._emit(Joined(self.learner_id, creator=creator, rounds=tuple(self._applied)))
+        return creator
+
+    # -- the training-thread side ------------------------------------------------------------
+
+    def _apply_staged(self) -> None:
+        with self._lock:
+            staged, self._staged = self._staged, []
+        for item in staged:
+            commit = item.commit
+            fragment = commit.fragment
+            if commit.round <= self._applied[fragment]:
+                continue
+            with self._lock:
+                pending = self._inflight.get(fragment)
+            contributed = (
+                pending is not None
+                and pending.payload is not None
+                and (pending.round, pending.payload) in item.mine
+            )
+            # Keep the local progress the commit does not already hold: since the snapshot
+            # if it was combined, else since the previous commit.
+            anchor = pending.snapshot if contributed and pending else self._ref[fragment]
+            self._layout.rebase(fragment, item.params, anchor)
+            self._ref[fragment] = item.params
+            self._applied[fragment] = commit.round
+            lag = 0.0
+            if pending is not None and pending.round <= commit.round:
+                with self._lock:
+                    del self._inflight[fragment]
+                    pending.cancelled = True
+                    self._counters.applied += 1
+                    if contributed and pending.published_at is not None:
+                        lag = time.monotonic() - pending.published_at
+                        self._counters.last_commit_lag_s = lag
+                if not contributed:
+                    self._since[fragment] += pending.samples  # it goes into the next one
+            self._emit(
+                Applied(
+                    self.learner_id,
+                    round=commit.round,
+                    fragment=fragment,
+                    contributed=contributed,
+                    lag_s=lag,
+                )
+            )
+
+    # -- background threads ------------------------------------------------------------------
+
+    def _thread_main(self, loop: Callable[[], object]) -> None:
+        async def main() -> None:
+            await loop()  # type: ignore[misc]
+
+        asyncio.run(main())
+
+    async def _pause(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while not self._stop.is_set() and (left := end - time.monotonic()) > 0:
+            await asyncio.sleep(min(left, 0.05))
+
+    def _emit(self, event: Event) -> None:
+        with self._lock:
+            self.events.append(event)
+        self._changed.set()
+        if self._on_event is not None:
+            with contextlib.suppress(Exception):  # a broken callback must not stop the session
+                self._on_event(event)
+
+    async def _beat(self, *, leaving: bool = False, deadline: float | None = None) -> None:
+        number = p.LEAVING_BEAT if leaving else self._beat_no
+        record = p.encode(p.Beat(self.learner_id, self._steps, self._samples, leaving))
+        key = p.beat_key(self.learner_id, number)
+        stop = None if leaving else self._stop
+        await retrying(partial(self._box.put_if_absent, key, record), stop=stop, deadline=deadline)
+        if not leaving:
+            self._beat_no += 1
+            if number >= 2:  # keep the newest two; older beats are swept
+                old = p.beat_key(self.learner_id, number - 2)
+                await retrying(partial(self._box.delete, [old]), stop=stop, deadline=deadline)
+
+    async def _communicate(self) -> None:
+        next_beat = time.monotonic() + self._beat_interval
+        next_check = 0.0
+        while not self._stop.is_set():
+            try:
+                if time.monotonic() >= next_beat:
+                    next_beat = time.monotonic() + self._beat_interval
+                    await self._beat()
+                while True:
+                    with self._lock:
+                        pending = self._outbox.popleft() if self._outbox else None
+                    if pending is None:
+                        break
+                    await self._publish(pending)
+                with self._lock:
+                    open_rounds = [x for x in self._inflight.values() if x.payload is not None]
+                if open_rounds and time.monotonic() >= next_check:
+                    next_check = time.monotonic() + self.poll_interval
+                    leases = await retrying(partial(self._box.list, p.LEASES), stop=self._stop)
+                    self._tracker.observe(leases)
+                    for pending in open_rounds:
+                        await self._close(pending)
+            except Stopped:
+                return
+            except Exception as exc:
+                self._emit(PollFailed(self.learner_id, error=f"communication: {exc!r}"))
+            await self._pause(_TICK)
+
+    async def _publish(self, pending: _Pending) -> None:
+        if pending.cancelled:
+            return
+        try:
+            key, nbytes = await retrying(
+                partial(put_tensors, self._box, pending.snapshot), stop=self._stop
+            )
+            record = p.Snapshot(pending.round, self.learner_id, pending.samples, key, pending.base)
+            await retrying(
+                partial(
+                    self._box.put_if_absent,
+                    p.snapshot_key(pending.round, self.learner_id),
+                    p.encode(record),
+                ),
+                stop=self._stop,
+            )
+        except Stopped:
+            raise
+        except Exception as exc:
+            self._emit(PublishFailed(self.learner_id, round=pending.round, error=repr(exc)))
+            with self._lock:
+                if self._inflight.get(pending.fragment) is pending:
+                    del self._inflight[pending.fragment]
+            return
+        with self._lock:
+            pending.payload = key
+            pending.published_at = time.monotonic()
+            self._counters.published += 1
+        self._emit(
+            Published(
+                self.learner_id,
+                round=pending.round,
+                fragment=pending.fragment,
+                samples=pending.samples,
+                nbytes=nbytes,
+            )
+        )
+
+    async def _close(self, pending: _Pending) -> None:
+        with self._lock:
+            if pending.cancelled or pending.round in self._committed:
+                return
+        assert pending.payload is not None
+        try:
+            outcome = await self._closer.try_close(
+                pending.round, pending.payload, pending.snapshot, pending.base_params
+            )
+        except Stopped:
+            raise
+        except Exception as exc:
+            self._emit(RoundFailed(self.learner_id, round=pending.round, error=repr(exc)))
+            return
+        if outcome is not None:
+            with self._lock:
+                self._counters.closed += 1
+                if outcome.params is not None:
+                    self._fast[outcome.commit.round] = outcome.params
+
+    async def _sync(self) -> None:
+        while not self._stop.is_set():
+            try:
+                await self._poll_rounds()
+            except Stopped:
+                return
+            except Exception as exc:
+                self._emit(PollFailed(self.learner_id, error=f"rounds: {exc!r}"))
+            await self._pause(self.poll_interval)
+
+    async def _poll_rounds(self) -> None:
+        # Rounds of different fragments can commit out of order; listing after the oldest
+        # per-fragment cursor never skips one.
+        cursor = p.round_key(min(self._known))
+        keys = await retrying(partial(self._box.list, p.ROUNDS, after=cursor), stop=self._stop)
+        fresh: dict[int, list[p.Commit]] = {}
+        for key in keys:
+            r = p.parse_round_key(key)
+            fragment = r % self._fragments
+            if r <= self._known[fragment]:
+                continue
+            data = await retrying(partial(self._box.get, key), stop=self._stop)
+            commit = p.decode_commit(key, data)
+            if commit.fragment != fragment:
+                raise ProtocolError(f"{key}: fragment {commit.fragment}, expected {fragment}")
+            fresh.setdefault(fragment, []).append(commit)
+        for fragment, commits in fresh.items():
+            newest = commits[-1]
+            mine = frozenset(
+                (c.round, x.payload)
+                for c in commits
+                for x in c.contributors
+                if x.learner == self.learner_id
+            )
+            with self._lock:
+                params = self._fast.pop(newest.round, None)
+            if params is None:
+                params = await retrying(
+                    partial(get_tensors, self._box, newest.params, self._layout.specs[fragment]),
+                    stop=self._stop,
+                )
+            with self._lock:
+                self._staged.append(_Staged(newest, params, mine))
+                self._known[fragment] = newest.round
+                self._committed.update(c.round for c in commits)
+            self._changed.set()

@@ -1,0 +1,77 @@
+"""Recompute a commit from its round record and the previous commit of its fragment.
+
+Every commit names its contributors' payloads, the base commit and the outer momentum, and
+``DiLoCo.combine`` is deterministic, so any process can check that a closer did its job:
+:func:`verify_commit` recomputes the new parameters and momentum and compares their
+content-addressed keys with the record's. It only reads, and needs the round's snapshot
+payloads, which are swept ``keep_rounds`` rounds later: verify commits as they land.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+from gradientmail import protocol as p
+from gradientmail._retry import retrying
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.errors import ProtocolError
+from gradientmail.mailbox import Mailbox
+from gradientmail.payload import encode, get_tensors
+
+__all__ = ["Verified", "verify_commit"]
+
+
+@dataclass(frozen=True)
+class Verified:
+    round: int
+    fragment: int
+    contributors: tuple[str, ...]
+    samples: int
+    initial: bool
+
+
+async def _record(box: Mailbox, key: str) -> bytes | None:
+    return await retrying(partial(box.get, key))
+
+
+async def verify_commit(box: Mailbox, r: int, manifest: p.Manifest | None = None) -> Verified:
+    """Check commit ``r``; raise :class:`ProtocolError` if it is not what its record implies."""
+    if manifest is None:
+        manifest = p.decode_manifest(p.MANIFEST, await _record(box, p.MANIFEST))
+    fragments = manifest.num_fragments
+    algorithm = DiLoCo.from_settings(manifest.algorithm)
+    key = p.round_key(r)
+    commit = p.decode_commit(key, await _record(box, key))
+    fragment = r % fragments
+    specs = manifest.fragments[fragment]
+    if commit.fragment != fragment:
+        raise ProtocolError(f"{key}: fragment {commit.fragment}, but round {r} carries {fragment}")
+    params = await retrying(partial(get_tensors, box, commit.params, specs))
+    if r < fragments:
+        if commit.contributors or commit.base is not None:
+            raise ProtocolError(f"{key}: an initial commit must have no base or contributors")
+        return Verified(r, fragment, (), 0, True)
+    if commit.base != r - fragments:
+        raise ProtocolError(f"{key}: base {commit.base}, expected {r - fragments}")
+    if not commit.contributors:
+        raise ProtocolError(f"{key}: a training commit without contributors")
+    base_key = p.round_key(commit.base)
+    base = p.decode_commit(base_key, await _record(box, base_key))
+    base_params = await retrying(partial(get_tensors, box, base.params, specs))
+    momentum = None
+    if base.momentum is not None:
+        momentum = await retrying(partial(get_tensors, box, base.momentum, specs))
+    contributions = []
+    for c in commit.contributors:
+        local = await retrying(partial(get_tensors, box, c.payload, specs))
+        contributions.append((c.learner, c.samples, local))
+    expected_params, expected_momentum = algorithm.combine(base_params, momentum, contributions)
+    if encode(expected_params)[0] != commit.params:
+        raise ProtocolError(f"{key}: its parameters are not the combination its record names")
+    if encode(expected_momentum)[0] != commit.momentum:
+        raise ProtocolError(f"{key}: its momentum is not the combination its record names")
+    del params
+    return Verified(
+        r, fragment, tuple(c.learner for c in commit.contributors), commit.samples, False
+    )

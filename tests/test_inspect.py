@@ -1,0 +1,336 @@
+"""gradientmail.inspect: a read-only view of a run, from records written straight into a mailbox."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from collections.abc import Callable
+
+import pytest
+
+import gradientmail as gm
+from gradientmail import protocol as p
+from gradientmail.inspect import RunView, RunWatcher, inspect_run
+from gradientmail.testing import FaultyMailbox
+
+P = 2  # fragments in every run built here
+
+
+def sha(text: str) -> str:
+    """A payload key, as records carry them: ``blobs/{sha256}``."""
+    return p.blob_key(hashlib.sha256(text.encode()).hexdigest())
+
+
+def fake_clock() -> tuple[list[float], Callable[[], float]]:
+    now = [100.0]
+    return now, lambda: now[0]
+
+
+class Run:
+    """Writes protocol records directly, as the nodes of a run would."""
+
+    def __init__(self, box: gm.Mailbox) -> None:
+        self.box = box
+
+    def put(self, key: str, data: bytes) -> None:
+        assert asyncio.run(self.box.put_if_absent(key, data))
+
+    def claim(self, creator: str = "alice") -> None:
+        self.put(p.CREATOR, p.encode(p.CreatorClaim(creator)))
+
+    def manifest(self, creator: str = "alice") -> None:
+        specs = tuple((p.TensorSpec(f"w{f}", (4, 2), "float32"),) for f in range(P))
+        algorithm = {"name": "diloco", "outer_lr": 0.7}
+        self.put(p.MANIFEST, p.encode(p.Manifest(creator, algorithm, specs)))
+
+    def create(self, creator: str = "alice") -> None:
+        """Claim, manifest and the initial commits (rounds 0 .. P-1)."""
+        self.claim(creator)
+        self.manifest(creator)
+        for r in range(P):
+            self.commit(r, {})
+
+    def commit(self, r: int, contributors: dict[str, int], fragment: int | None = None) -> None:
+        record = p.Commit(
+            round=r,
+            fragment=r % P if fragment is None else fragment,
+            base=r - P if r >= P else None,
+            contributors=tuple(
+                p.Contribution(learner, samples, sha(f"{r}/{learner}"))
+                for learner, samples in sorted(contributors.items())
+            ),
+            params=sha(f"params {r}"),
+            momentum=sha(f"momentum {r}") if r >= P else None,
+            closer="alice",
+        )
+        self.put(p.round_key(r), p.encode(record))
+
+    def beat(self, learner: str, n: int, steps: int = 0, samples: int = 0) -> None:
+        leaving = n == p.LEAVING_BEAT
+        self.put(p.beat_key(learner, n), p.encode(p.Beat(learner, steps, samples, leaving)))
+
+    def snapshot(self, r: int, learner: str, samples: int = 8) -> None:
+        record = p.Snapshot(r, learner, samples, sha(f"snap {r}/{learner}"), max(r - P, 0))
+        self.put(p.snapshot_key(r, learner), p.encode(record))
+
+
+def poll(watcher: RunWatcher) -> RunView:
+    return asyncio.run(watcher.poll())
+
+
+def test_empty_prefix_does_not_exist() -> None:
+    view = asyncio.run(inspect_run(gm.MemoryMailbox()))
+    assert view == RunView(
+        exists=False,
+        creator=None,
+        fragments=None,
+        algorithm=None,
+        rounds_committed=0,
+        newest_round=None,
+        newest_per_fragment={},
+        last_contributors=(),
+        samples_committed=0,
+        learners=(),
+        live_learners=0,
+        open_rounds={},
+        seconds_since_commit=None,
+        samples_per_second=None,
+    )
+
+
+def test_creator_claim_alone_exists() -> None:
+    run = Run(gm.MemoryMailbox())
+    run.claim("bob")
+    view = asyncio.run(inspect_run(run.box))
+    assert (view.exists, view.creator, view.fragments) == (True, "bob", None)
+
+
+def test_manifest_only_has_fragments_and_no_rounds() -> None:
+    run = Run(gm.MemoryMailbox())
+    run.claim()
+    run.manifest()
+    view = asyncio.run(inspect_run(run.box))
+    assert view.exists
+    assert view.creator == "alice"
+    assert view.fragments == P
+    assert view.algorithm == {"name": "diloco", "outer_lr": 0.7}
+    assert view.rounds_committed == 0
+    assert view.newest_round is None
+    assert view.newest_per_fragment == {}
+    assert view.seconds_since_commit is None
+
+
+def test_initial_commits_are_not_training_rounds() -> None:
+    run = Run(gm.MemoryMailbox())
+    run.create()
+    view = asyncio.run(inspect_run(run.box))
+    assert view.rounds_committed == 0
+    assert view.newest_round is None
+    assert view.newest_per_fragment == {0: 0, 1: 1}
+    assert view.last_contributors == ()
+    assert view.seconds_since_commit is not None
+    assert 0.0 <= view.seconds_since_commit < 5.0  # first seen just now
+
+
+def test_full_run_over_every_backend(mailbox: gm.Mailbox) -> None:
+    run = Run(mailbox)
+    run.create()
+    run.commit(2, {"l1": 10, "l2": 20})
+    run.commit(3, {"l1": 5})
+    run.commit(4, {"l2": 7, "l3": 1})
+    run.snapshot(3, "l3")  # late snapshot for a committed round: not open
+    run.snapshot(5, "l1")
+    run.snapshot(5, "l2")
+    run.snapshot(6, "l2")
+    run.beat("l1", 3, steps=30, samples=15)
+    run.beat("l1", 4, steps=40, samples=20)
+    run.beat("l2", 1, steps=12, samples=27)
+    run.beat("l3", p.LEAVING_BEAT, steps=2, samples=1)
+    faulty = FaultyMailbox(mailbox)
+    view = asyncio.run(inspect_run(faulty))
+    assert (view.exists, view.creator, view.fragments) == (True, "alice", P)
+    assert view.rounds_committed == 3
+    assert view.newest_round == 4
+    assert view.newest_per_fragment == {0: 4, 1: 3}
+    assert view.last_contributors == ("l2", "l3")
+    assert view.samples_committed == 43
+    assert view.open_rounds == {5: ("l1", "l2"), 6: ("l2",)}
+    assert [lv.learner for lv in view.learners] == ["l1", "l2", "l3"]
+    l1, l2, l3 = view.learners
+    assert (l1.live, l1.beat, l1.steps, l1.samples, l1.leaving) == (True, 4, 40, 20, False)
+    assert (l2.live, l2.beat, l2.steps, l2.samples) == (True, 1, 12, 27)
+    assert (l3.live, l3.leaving, l3.beat, l3.steps) == (False, True, p.LEAVING_BEAT, 2)
+    assert view.live_learners == 2
+    assert (faulty.calls["put_if_absent"], faulty.calls["delete"]) == (0, 0)  # read-only
+
+
+def test_incremental_poll_reads_only_new_records() -> None:
+    run = Run(gm.MemoryMailbox())
+    run.create()
+    run.commit(2, {"l1": 4})
+    run.beat("l1", 1)
+    run.beat("l2", 1)
+    faulty = FaultyMailbox(run.box)
+    watcher = RunWatcher(faulty)
+    poll(watcher)
+    first = faulty.calls["get"]
+    assert first == 1 + 3 + 2  # the manifest (it names the creator), 3 commits, 2 beats
+
+    poll(watcher)
+    assert faulty.calls["get"] == first  # nothing new: nothing read
+
+    run.commit(3, {"l1": 4, "l2": 6})
+    run.commit(4, {"l2": 1})
+    run.beat("l2", 2, steps=9)
+    view = poll(watcher)
+    assert faulty.calls["get"] == first + 2 + 1  # 2 new commits, 1 changed beat
+    assert view.rounds_committed == 3
+    assert view.samples_committed == 15
+    assert view.learners[1].steps == 9
+    assert (faulty.calls["put_if_absent"], faulty.calls["delete"]) == (0, 0)
+
+
+def test_truncated_commit_names_the_key() -> None:
+    run = Run(gm.MemoryMailbox())
+    run.create()
+    run.commit(2, {"l1": 4})
+    whole = p.encode(
+        p.Commit(3, 1, 1, (p.Contribution("l1", 2, sha("x")),), sha("p"), sha("m"), "alice")
+    )
+    run.put(p.round_key(3), whole[: len(whole) // 2])
+    with pytest.raises(gm.ProtocolError, match="rounds/0000000003"):
+        asyncio.run(inspect_run(run.box))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"params": "not-a-blob-key"},  # blob_sha's own error does not name the record
+        {"contributors": [{"learner": "bad id", "samples": 1, "payload": sha("x")}]},  # ValueError
+    ],
+)
+def test_invalid_commit_field_names_the_key(change: dict[str, object]) -> None:
+    run = Run(gm.MemoryMailbox())
+    run.create()
+    wire = {**p.Commit(2, 0, 0, (), sha("p"), sha("m"), "alice").to_wire(), **change}
+    run.put(p.round_key(2), json.dumps(wire).encode())
+    with pytest.raises(gm.ProtocolError, match=r"^rounds/0000000002: "):
+        asyncio.run(inspect_run(run.box))
+
+
+def test_commit_for_the_wrong_fragment_is_rejected() -> None:
+    run = Run(gm.MemoryMailbox())
+    run.create()
+    run.commit(3, {"l1": 4}, fragment=0)
+    with pytest.raises(gm.ProtocolError, match=r"rounds/0000000003.*fragment 1"):
+        asyncio.run(inspect_run(run.box))
+
+
+def test_malformed_beat_names_the_key() -> None:
+    run = Run(gm.MemoryMailbox())
+    run.create()
+    run.put(p.beat_key("l1", 1), b'{"learner": "l1", "steps": -1}')
+    with pytest.raises(gm.ProtocolError, match="leases/l1/0000000001"):
+        asyncio.run(inspect_run(run.box))
+
+
+def test_swept_beat_leaves_steps_unknown() -> None:
+    class SweptBeats(gm.MemoryMailbox):
+        async def get(self, key: str) -> bytes | None:
+            return None if key.startswith(p.LEASES) else await super().get(key)
+
+    run = Run(SweptBeats())
+    run.create()
+    run.beat("l1", 5, steps=3)
+    (l1,) = asyncio.run(inspect_run(run.box)).learners
+    assert (l1.live, l1.beat, l1.steps, l1.samples) == (True, 5, None, None)
+
+
+def test_unavailable_propagates_and_the_next_poll_goes_on() -> None:
+    run = Run(gm.MemoryMailbox())
+    run.create()
+    run.commit(2, {"l1": 4})
+    run.commit(3, {"l1": 6})
+    faulty = FaultyMailbox(run.box).fail_before("list", 2)  # the leases/ listing
+    watcher = RunWatcher(faulty)
+    with pytest.raises(gm.MailboxUnavailable):
+        poll(watcher)
+    view = poll(watcher)
+    assert (view.rounds_committed, view.samples_committed) == (2, 10)  # counted once
+    assert faulty.calls["get"] == 1 + 4  # the manifest, 4 commits: none read twice
+
+
+def test_liveness_follows_the_observer_clock() -> None:
+    now, clock = fake_clock()
+    run = Run(gm.MemoryMailbox())
+    run.create()
+    run.beat("l1", 1)
+    run.beat("l2", 1)
+    watcher = RunWatcher(run.box, lease_timeout=10.0, clock=clock)
+
+    view = poll(watcher)
+    assert [lv.live for lv in view.learners] == [True, True]
+    assert view.live_learners == 2
+
+    now[0] += 8.0
+    run.beat("l1", 2)  # l1 beats again; l2 stays silent
+    view = poll(watcher)
+    assert [lv.live for lv in view.learners] == [True, True]
+    assert [lv.seconds_since_beat for lv in view.learners] == [0.0, 8.0]
+
+    now[0] += 4.0  # l2's beat is 12 s old on our clock: lapsed
+    view = poll(watcher)
+    l1, l2 = view.learners
+    assert (l1.live, l1.seconds_since_beat) == (True, 4.0)
+    assert (l2.live, l2.seconds_since_beat, l2.leaving) == (False, 12.0, False)
+    assert view.live_learners == 1
+
+    run.beat("l1", p.LEAVING_BEAT)  # leaving: not live at once, without waiting
+    view = poll(watcher)
+    l1, _ = view.learners
+    assert (l1.live, l1.leaving, l1.seconds_since_beat) == (False, True, 0.0)
+    assert view.live_learners == 0
+
+    run.beat("l2", 2)  # a lapsed learner that beats again is live again
+    assert poll(watcher).learners[1].live
+
+
+def test_commit_age_and_throughput_on_the_observer_clock() -> None:
+    now, clock = fake_clock()
+    run = Run(gm.MemoryMailbox())
+    run.create()
+    run.commit(2, {"l1": 100})  # history from before we watched
+    watcher = RunWatcher(run.box, clock=clock)
+    view = poll(watcher)
+    assert view.seconds_since_commit == 0.0
+    assert view.samples_committed == 100
+    assert view.samples_per_second is None  # one change point is not a rate
+
+    now[0] += 5.0
+    view = poll(watcher)
+    assert view.seconds_since_commit == 5.0
+    assert view.samples_per_second is None
+
+    now[0] += 5.0
+    run.commit(3, {"l1": 30, "l2": 20})
+    view = poll(watcher)
+    assert view.seconds_since_commit == 0.0
+    assert view.samples_per_second == pytest.approx(50 / 10.0)
+
+    now[0] += 3.0
+    view = poll(watcher)  # an unchanged poll keeps the last rate
+    assert view.samples_per_second == pytest.approx(5.0)
+    assert view.seconds_since_commit == 3.0
+
+    now[0] += 2.0
+    run.commit(4, {"l1": 60})
+    assert poll(watcher).samples_per_second == pytest.approx(60 / 5.0)
+
+
+def test_view_mappings_are_read_only() -> None:
+    run = Run(gm.MemoryMailbox())
+    run.create()
+    view = asyncio.run(inspect_run(run.box))
+    with pytest.raises(TypeError):
+        view.newest_per_fragment[0] = 9  # type: ignore[index]
