@@ -9,10 +9,18 @@ Package map:
 - ``mailbox/``: the :class:`Mailbox` Protocol and its backends (memory, file, S3) and
   :func:`open_mailbox`.
 - ``testing/``: the mailbox contract suite and fault injectors, for users' own tests.
+- ``protocol.py``: the key layout and the records (frozen dataclasses <-> JSON).
+- ``payload.py``: tensors <-> safetensors bytes named by their sha256.
+- ``algorithms/``: :class:`DiLoCo` (what a contribution is, how a round combines them).
+- ``session.py``: :class:`Session`, the learner; ``_closer.py`` closes rounds, ``_join.py``
+  creates/joins a run and holds :func:`align`, ``_layout.py`` maps a model to fragments,
+  ``_leases.py`` judges liveness, ``_retry.py`` backs off, ``_metered.py`` counts traffic.
+- ``events.py``: the events and counters a Session reports.
+- ``inspect.py``: a read-only view of a run (CLI, operator); ``verify.py`` recomputes commits.
 - ``cli.py``: the ``gradientmail`` command.
 """
 
-from gradientmail import events
+from gradientmail import events, inspect, verify
 from gradientmail._join import align
 from gradientmail.algorithms import DiLoCo
 from gradientmail.errors import (
@@ -43,7 +51,9 @@ __all__ = [
     "Session",
     "align",
     "events",
+    "inspect",
     "open_mailbox",
+    "verify",
 ]
 
 __version__ = "0.1.0.dev0"

@@ -31,10 +31,12 @@ async def retrying(
     deadline: float | None = None,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-    first: float = FIRST_DELAY,
-    cap: float = MAX_DELAY,
+    first: float | None = None,
+    cap: float | None = None,
 ) -> T:
-    delay = first
+    # Read at call time, so a test can shorten the backoff for every operation at once.
+    delay = FIRST_DELAY if first is None else first
+    cap = MAX_DELAY if cap is None else cap
     while True:
         try:
             return await operation()

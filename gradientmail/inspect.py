@@ -8,7 +8,7 @@ commit and the sample throughput. Ages and rates use the observer's own monotoni
 no server timestamp is read, as everywhere in the protocol.
 
 It only reads: ``get`` and ``list``, never ``put_if_absent`` or ``delete``.
-:class:`RunWatcher` keeps a cursor over ``rounds/`` (one monotone sequence) and a beat
+:class:`RunWatcher` keeps a per-fragment cursor over ``rounds/`` and a beat
 cache, so a poll reads only the commit records and beats that are new since the last one.
 A malformed record raises :class:`ProtocolError` naming its key; :class:`MailboxUnavailable`
 propagates (state read before the failure is kept, so the next poll goes on from there).
@@ -42,6 +42,7 @@ from gradientmail.protocol import (
     decode_creator,
     decode_manifest,
     parse_round_key,
+    round_key,
     snapshot_key,
 )
 
@@ -112,7 +113,6 @@ class RunWatcher:
         self._leases = LeaseTracker(lease_timeout, clock)
         self._claim: CreatorClaim | None = None
         self._manifest: Manifest | None = None
-        self._cursor = ""  # key of the newest commit read
         self._newest: int | None = None  # newest committed round, initial ones included
         self._per_fragment: dict[int, int] = {}
         self._rounds_committed = 0
@@ -155,7 +155,17 @@ class RunWatcher:
                 self._claim = _decode(decode_creator, CREATOR, data)
 
     async def _read_rounds(self, fragments: int) -> None:
-        keys = await self._mailbox.list(ROUNDS, after=self._cursor)
+        # Rounds of different fragments may commit out of order (round 9 before round 8), so
+        # the listing resumes after the oldest per-fragment newest commit, never after the
+        # newest key seen, and skips what it already read.
+        cursor = ""
+        if len(self._per_fragment) == fragments:
+            cursor = round_key(min(self._per_fragment.values()))
+        keys = [
+            key
+            for key in await self._mailbox.list(ROUNDS, after=cursor)
+            if parse_round_key(key) > self._per_fragment.get(parse_round_key(key) % fragments, -1)
+        ]
         for start in range(0, len(keys), _BATCH):
             batch = keys[start : start + _BATCH]
             rounds = [parse_round_key(key) for key in batch]
@@ -168,7 +178,8 @@ class RunWatcher:
                         f"{key}: the record says fragment {commit.fragment}, but with "
                         f"{fragments} fragments round {r} carries fragment {r % fragments}"
                     )
-                self._cursor, self._newest, self._commit_seen_at = key, r, seen
+                if self._newest is None or r > self._newest:
+                    self._newest, self._commit_seen_at = r, seen
                 self._per_fragment[commit.fragment] = r
                 if r >= fragments:
                     self._rounds_committed += 1

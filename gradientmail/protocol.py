@@ -211,7 +211,7 @@ class TensorSpec:
     dtype: str
 
     def describe(self) -> str:
-        return f"{self.name} {self.dtype}{list(self.shape)}"
+        return f"{self.dtype}{list(self.shape)}"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,279 @@
+"""Session, DiLoCo and align: learners as threads in one process, over every mailbox."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+import gradientmail as gm
+from gradientmail import _retry
+from gradientmail import protocol as p
+from gradientmail.testing import FaultyMailbox
+from tests.support.waiting import wait_until
+from tests.training import (
+    Learner,
+    commits,
+    failures,
+    make_model,
+    run_learners,
+    train,
+    verify_all,
+)
+
+ALGORITHM = gm.DiLoCo(sync_every=10, fragments=2, outer_lr=0.7, outer_momentum=0.9)
+
+
+def _keys(box: gm.Mailbox, prefix: str = "") -> list[str]:
+    return list(asyncio.run(box.list(prefix)))
+
+
+def test_two_learners_commit_verified_rounds(mailbox: gm.Mailbox) -> None:
+    learners = [Learner("a", 100, seed=1), Learner("b", 100, seed=2)]
+    run_learners(learners, mailbox, ALGORITHM)
+    found = commits(mailbox)
+    training = [c for c in found if c.round >= ALGORITHM.fragments]
+    both = [c for c in training if {x.learner for x in c.contributors} == {"a", "b"}]
+    assert len(training) >= 10, f"only {len(training)} training rounds committed"
+    assert len(both) >= len(training) // 2, f"{len(both)} of {len(training)} rounds had both"
+    for fragment in range(ALGORITHM.fragments):
+        mine = [c.round for c in found if c.fragment == fragment]
+        assert mine == list(range(fragment, mine[-1] + 1, ALGORITHM.fragments)), (
+            f"fragment {fragment} skipped a round: {mine}"
+        )
+    verified = verify_all(mailbox)
+    assert sum(v.samples for v in verified) == sum(c.samples for c in training)
+    for learner in learners:
+        assert failures(learner) == [], f"{learner.name}: {failures(learner)}"
+        assert learner.session is not None
+        counters = learner.session.counters()
+        assert counters.published >= 8
+        assert counters.bytes_up.get("blobs", 0) > 0
+    assert sum(ln.session.counters().closed for ln in learners if ln.session) >= len(training)
+
+
+def test_every_node_starts_from_the_creators_parameters() -> None:
+    box = gm.MemoryMailbox()
+    first, second = make_model(seed=1), make_model(seed=2)
+    assert not torch.equal(first[0].weight, second[0].weight)
+    creator = gm.Session(first, algorithm=ALGORITHM, mailbox=box, learner_id="creator")
+    joiner = gm.Session(second, algorithm=ALGORITHM, mailbox=box, learner_id="joiner")
+    try:
+        assert creator.creator
+        assert not joiner.creator
+        for a, b in zip(first.parameters(), second.parameters(), strict=True):
+            assert torch.equal(a, b)
+    finally:
+        joiner.close()
+        creator.close()
+
+
+def test_late_joiner_starts_from_the_newest_commits() -> None:
+    box = gm.MemoryMailbox()
+    early = Learner("early", 400, seed=1, delay=0.003)
+    thread = threading.Thread(target=train, args=(early, box, ALGORITHM))
+    thread.start()
+    try:
+        wait_until(lambda: len(commits(box)) >= 12, "rounds before the late joiner")
+        late = Learner("late", 30, seed=2, model=make_model(seed=99))
+        train(late, box, ALGORITHM)
+        assert late.error is None, repr(late.error)
+        # At join, the late model held exactly the newest commit of each fragment then.
+        assert min(late.joined_rounds) >= 10
+        assert any("late" in {x.learner for x in c.contributors} for c in commits(box))
+    finally:
+        thread.join(timeout=120)
+    assert early.error is None
+
+
+def test_align_loads_the_newest_commits(mailbox: gm.Mailbox) -> None:
+    run_learners([Learner("a", 30, seed=1)], mailbox, ALGORITHM)
+    model = make_model(seed=123)
+    rounds = gm.align(model, mailbox=mailbox)
+    newest = {c.fragment: c for c in commits(mailbox)}
+    assert rounds == {f: c.round for f, c in newest.items()}
+
+    async def params(key: str) -> dict[str, torch.Tensor]:
+        return await gm.payload.get_tensors(mailbox, key)
+
+    for commit in newest.values():
+        for name, value in asyncio.run(params(commit.params)).items():
+            assert torch.equal(dict(model.named_parameters())[name], value)
+
+
+def test_model_or_algorithm_mismatch_is_named_and_writes_nothing() -> None:
+    box = gm.MemoryMailbox()
+    with gm.Session(make_model(), algorithm=ALGORITHM, mailbox=box, learner_id="a"):
+        before = _keys(box)
+        with pytest.raises(gm.ProtocolError, match=r"0\.weight: run has torch\.float32\[16, 8\]"):
+            gm.Session(make_model(width=32), algorithm=ALGORITHM, mailbox=box, learner_id="b")
+        other = gm.DiLoCo(sync_every=7, fragments=2)
+        with pytest.raises(gm.ProtocolError, match="sync_every: run has 10, this node has 7"):
+            gm.Session(make_model(), algorithm=other, mailbox=box, learner_id="c")
+        assert _keys(box) == before
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"learner_id": "a/b"}, "not a valid key segment"),
+        ({"learner_id": ".."}, "not a valid key segment"),
+        ({"learner_id": ""}, "not a valid key segment"),
+        ({"quorum_size": 0}, "quorum_size"),
+        ({"round_timeout": 0}, "round_timeout"),
+        ({"lease_timeout": -1}, "lease_timeout"),
+        ({"keep_rounds": 0}, "keep_rounds"),
+    ],
+)
+def test_bad_arguments_fail_before_anything_is_written(kwargs: dict, message: str) -> None:
+    box = gm.MemoryMailbox()
+    with pytest.raises(ValueError, match=message):
+        gm.Session(make_model(), algorithm=ALGORITHM, mailbox=box, **kwargs)
+    assert _keys(box) == []
+
+
+def test_bad_algorithm_settings() -> None:
+    with pytest.raises(ValueError, match="sync_every"):
+        gm.DiLoCo(sync_every=0)
+    with pytest.raises(ValueError, match="cannot exceed sync_every"):
+        gm.DiLoCo(sync_every=2, fragments=3)
+    with pytest.raises(ValueError, match="outer_momentum"):
+        gm.DiLoCo(outer_momentum=1.0)
+    with pytest.raises(ValueError, match="fewer than"):
+        gm.Session(
+            make_model(), algorithm=gm.DiLoCo(sync_every=8, fragments=8), mailbox=gm.MemoryMailbox()
+        )
+
+
+@pytest.mark.parametrize("samples", [0, -1, 1.5, True, "3"])
+def test_step_rejects_bad_sample_counts(samples: object) -> None:
+    box = gm.MemoryMailbox()
+    with gm.Session(make_model(), algorithm=ALGORITHM, mailbox=box, learner_id="a") as s:
+        before = _keys(box, "snapshots/")
+        with pytest.raises(ValueError, match="samples must be an int >= 1"):
+            s.step(samples=samples)  # type: ignore[arg-type]
+        assert s.steps == 0
+        assert _keys(box, "snapshots/") == before
+
+
+@pytest.mark.parametrize(
+    ("key", "data", "message"),
+    [
+        ("manifest.json", b"hello", "not valid JSON"),
+        ("manifest.json", b'{"format": 99, "creator": "x"}', "format version 99"),
+        ("claims/creator", b"<html>", "not written by GradientMail"),
+    ],
+)
+def test_a_prefix_holding_something_else_is_refused(key: str, data: bytes, message: str) -> None:
+    box = gm.MemoryMailbox()
+    asyncio.run(box.put_if_absent(key, data))
+    with pytest.raises(gm.ProtocolError, match=message):
+        gm.Session(make_model(), algorithm=ALGORITHM, mailbox=box, learner_id="a")
+    assert _keys(box) == [key]
+
+
+def test_a_closer_that_never_commits_is_replaced() -> None:
+    """A claimant whose lease lapses (here: it never had one) is succeeded by attempt 1."""
+    box = gm.MemoryMailbox()
+    algorithm = gm.DiLoCo(sync_every=4, fragments=1)
+    ghost = p.encode(p.Claim("ghost"))
+    asyncio.run(box.put_if_absent(p.claim_key(1, 0), ghost))
+    learner = Learner("a", 8)
+    run_learners([learner], box, algorithm, lease_timeout=0.5, round_timeout=0.1)
+    first = next(c for c in commits(box) if c.round == 1)
+    assert (first.closer, first.attempt) == ("a", 1)
+    assert _keys(box, p.claims_prefix(1)) == [p.claim_key(1, 0), p.claim_key(1, 1)]
+    verify_all(box)
+
+
+def test_lost_responses_are_retried_without_protocol_errors(
+    mailbox: gm.Mailbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_retry, "FIRST_DELAY", 0.01)
+    monkeypatch.setattr(_retry, "MAX_DELAY", 0.05)
+    faulty = [FaultyMailbox(mailbox).randomly(0.2, seed=n) for n in range(2)]
+    learners = [Learner("a", 100, seed=1), Learner("b", 100, seed=2)]
+    threads = [
+        threading.Thread(target=train, args=(learner, box, ALGORITHM))
+        for learner, box in zip(learners, faulty, strict=True)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    for learner, box in zip(learners, faulty, strict=True):
+        assert learner.error is None, repr(learner.error)
+        assert len(box.injected) > 20, "the injector lost too few responses to mean anything"
+        assert failures(learner) == [], failures(learner)
+    assert len([c for c in commits(mailbox) if c.round >= 2]) >= 5
+    verify_all(mailbox)
+
+
+def test_corrupted_payload_and_truncated_record_are_detected() -> None:
+    box = gm.MemoryMailbox()
+    run_learners([Learner("a", 12)], box, ALGORITHM)
+    newest = commits(box)[-1]
+    # Damage the stored objects behind the store's back (create-once forbids it through the API).
+    box._objects[newest.params] = box._objects[newest.params][:-1] + b"\x00"
+    with pytest.raises(gm.PayloadCorrupt, match=newest.params):
+        gm.align(make_model(), mailbox=box)
+    key = p.round_key(newest.round)
+    box._objects[key] = box._objects[key][:20]
+    with pytest.raises(gm.ProtocolError, match=f"{key}: not valid JSON"):
+        gm.align(make_model(), mailbox=box)
+
+
+def test_close_waits_for_rounds_in_flight_and_leaves() -> None:
+    box = gm.MemoryMailbox()
+    learner = Learner("a", 12)
+    run_learners([learner], box, ALGORITHM)
+    published = {e.round for e in learner.session.events if isinstance(e, gm.events.Published)}
+    committed = {c.round for c in commits(box)}
+    assert published
+    assert published <= committed
+    assert _keys(box, p.lease_prefix("a"))[-1] == p.beat_key("a", p.LEAVING_BEAT)
+    view = asyncio.run(gm.inspect.inspect_run(box))
+    assert view.live_learners == 0
+    kinds = {type(e).__name__ for e in learner.session.events}
+    assert {"Joined", "Published", "Committed", "Applied", "Left"} <= kinds
+
+
+def test_old_snapshots_and_payloads_are_swept() -> None:
+    box = gm.MemoryMailbox()
+    run_learners([Learner("a", 120)], box, ALGORITHM, keep_rounds=2)
+    rounds = [c.round for c in commits(box)]
+    assert rounds[-1] >= 15
+    snapshot_rounds = {p.parse_snapshot_key(k)[0] for k in _keys(box, "snapshots/")}
+    assert min(snapshot_rounds) >= rounds[-1] - 3 * ALGORITHM.fragments
+    # Payloads left: a few rounds' worth, not the whole history.
+    assert len(_keys(box, "blobs/")) <= 3 * 3 * ALGORITHM.fragments + 2
+    gm.align(make_model(), mailbox=box)  # the newest commits are intact
+
+
+def test_plain_averaging_settings_average_the_snapshots() -> None:
+    """outer_lr=1, momentum=0: a commit is the sample-weighted mean of its contributors."""
+    algorithm = gm.DiLoCo(sync_every=5, fragments=1, outer_lr=1.0, outer_momentum=0.0)
+    base = {"w": torch.zeros(3)}
+    local = [
+        ("a", 1, {"w": torch.tensor([3.0, 0.0, 3.0])}),
+        ("b", 2, {"w": torch.tensor([0.0, 3.0, 3.0])}),
+    ]
+    params, _ = algorithm.combine(base, None, local)
+    assert torch.allclose(params["w"], torch.tensor([1.0, 2.0, 3.0]))
+    nesterov = gm.DiLoCo(outer_lr=0.5, outer_momentum=0.9)
+    new, m = nesterov.combine(base, {"w": torch.ones(3)}, local)
+    delta = -torch.tensor([1.0, 2.0, 3.0])
+    expected_m = 0.9 * torch.ones(3) + delta
+    assert torch.allclose(m["w"], expected_m)
+    assert torch.allclose(new["w"], -0.5 * (delta + 0.9 * expected_m))
+
+
+def test_fragments_are_balanced_and_staggered() -> None:
+    algorithm = gm.DiLoCo(sync_every=100, fragments=4)
+    assert [algorithm.offset(f) for f in range(4)] == [25, 50, 75, 0]
+    assert [algorithm.due_fragment(s) for s in (25, 50, 75, 100, 101)] == [0, 1, 2, 3, None]
+    groups = algorithm.split([(f"p{i}", 10) for i in range(8)])
+    assert groups == [["p0", "p1"], ["p2", "p3"], ["p4", "p5"], ["p6", "p7"]]
+    assert all(algorithm.split([("big", 1000)] + [(f"s{i}", 1) for i in range(3)]))
