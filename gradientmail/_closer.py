@@ -84,6 +84,12 @@ class RoundCloser:
         base_params: Mapping[str, torch.Tensor] | None,
     ) -> Outcome | None:
         """One attempt at closing round ``r``; None when it is not (yet) this learner's to close."""
+        # Rounds far behind this one were closed by someone: forget what we knew of them.
+        horizon = r - 4 * self.layout.count
+        for stale in [x for x in self._watch if x < horizon]:
+            del self._watch[stale]
+        for stale in [x for x in self._records if x < horizon]:
+            del self._records[stale]
         watch = self._watch.setdefault(r, _Watch(self.clock()))
         snaps = await retrying(partial(self.box.list, p.snapshots_prefix(r)))
         contributors = {key.rpartition("/")[2] for key in snaps}

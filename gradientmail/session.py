@@ -522,7 +522,10 @@ class Session:
                 if x.learner == self.learner_id
             )
             with self._lock:
-                params = self._fast.pop(newest.round, None)
+                # Parameters of rounds this node closed itself need no download; drop the
+                # ones superseded within this batch so they are not kept forever.
+                closed_here = [self._fast.pop(c.round, None) for c in commits]
+            params = closed_here[-1]
             if params is None:
                 params = await retrying(
                     partial(get_tensors, self._box, newest.params, self._layout.specs[fragment]),
