@@ -234,7 +234,7 @@ class RoundCloser:
                 doomed.add(old_commit.momentum)
         kept = {commit.params, commit.momentum}
         base = self._records.get(commit.round - self.layout.count)
-        if base is not None:
+        if base is not None and base.round > old:  # with keep_rounds=1 the base itself goes
             kept |= {base.params, base.momentum}
         kept |= {c.payload for c in commit.contributors}
         await retrying(partial(self.box.delete, sorted(k for k in doomed if k and k not in kept)))

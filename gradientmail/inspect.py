@@ -184,7 +184,8 @@ class RunWatcher:
                 if r >= fragments:
                     self._rounds_committed += 1
                     self._samples += commit.samples
-                    self._last_training = commit
+                    if self._last_training is None or r > self._last_training.round:
+                        self._last_training = commit  # commits may land out of order
 
     async def _read_beats(self) -> None:
         changed = [

@@ -483,6 +483,9 @@ class Session:
             return
         if outcome is not None:
             with self._lock:
+                # Marked here, not only when the syncer sees it: otherwise the next tick
+                # would close this round again and adopt our own record.
+                self._committed.add(outcome.commit.round)
                 self._counters.closed += 1
                 if outcome.params is not None:
                     self._fast[outcome.commit.round] = outcome.params

@@ -3,8 +3,10 @@
 Every commit names its contributors' payloads, the base commit and the outer momentum, and
 ``DiLoCo.combine`` is deterministic, so any process can check that a closer did its job:
 :func:`verify_commit` recomputes the new parameters and momentum and compares their
-content-addressed keys with the record's. It only reads, and needs the round's snapshot
-payloads, which are swept ``keep_rounds`` rounds later: verify commits as they land.
+content-addressed keys with the record's. It only reads. It needs the round's snapshot
+payloads and its base commit's payloads, which the sweep removes once ``keep_rounds - 1``
+newer commits of the same fragment exist (with the default 2: as soon as the next commit
+of that fragment lands), so verify commits as they land, or raise ``keep_rounds``.
 """
 
 from __future__ import annotations

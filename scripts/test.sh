@@ -7,8 +7,8 @@ cd "$(dirname "$0")/.."
 scripts/install.sh
 
 echo "==> ruff"
-.venv/bin/ruff check gradientmail tests bench
-.venv/bin/ruff format --check gradientmail tests bench
+.venv/bin/ruff check gradientmail tests bench examples
+.venv/bin/ruff format --check gradientmail tests bench examples
 echo "==> mypy --strict gradientmail"
 .venv/bin/mypy
 echo "==> pytest (SeaweedFS + moto on loopback)"

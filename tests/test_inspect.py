@@ -334,3 +334,37 @@ def test_view_mappings_are_read_only() -> None:
     view = asyncio.run(inspect_run(run.box))
     with pytest.raises(TypeError):
         view.newest_per_fragment[0] = 9  # type: ignore[index]
+
+
+def test_out_of_order_commits_keep_the_newest_round() -> None:
+    """Round 3 (fragment 1) lands before round 2 (fragment 0): the view never goes back."""
+    box = gm.MemoryMailbox()
+    blob = p.blob_key("0" * 64)
+    specs = tuple((p.TensorSpec(f"w{f}", (2,), "float32"),) for f in range(2))
+
+    async def put(key: str, record: object) -> None:
+        assert await box.put_if_absent(key, p.encode(record))
+
+    async def scenario() -> tuple[RunView, RunView, RunView]:
+        await put(p.CREATOR, p.CreatorClaim("a"))
+        await put(p.MANIFEST, p.Manifest("a", {"name": "diloco"}, specs))
+        for r in range(2):
+            await put(p.round_key(r), p.Commit(r, r, None, (), blob, None, "a"))
+        watcher = RunWatcher(box)
+        await put(
+            p.round_key(3), p.Commit(3, 1, 1, (p.Contribution("b", 5, blob),), blob, blob, "b")
+        )
+        first = await watcher.poll()
+        await put(
+            p.round_key(2), p.Commit(2, 0, 0, (p.Contribution("a", 7, blob),), blob, blob, "a")
+        )
+        return first, await watcher.poll(), await RunWatcher(box).poll()
+
+    first, second, fresh = asyncio.run(scenario())
+    assert (first.newest_round, first.rounds_committed) == (3, 1)
+    assert (second.newest_round, second.last_contributors, second.rounds_committed) == (
+        3,
+        ("b",),
+        2,
+    )
+    assert (fresh.newest_round, fresh.last_contributors, fresh.samples_committed) == (3, ("b",), 12)

@@ -252,6 +252,32 @@ def test_old_snapshots_and_payloads_are_swept() -> None:
     gm.align(make_model(), mailbox=box)  # the newest commits are intact
 
 
+def test_keep_rounds_one_sweeps_everything_but_the_newest() -> None:
+    box = gm.MemoryMailbox()
+    run_learners([Learner("a", 120)], box, ALGORITHM, keep_rounds=1)
+    assert commits(box)[-1].round >= 15
+    # Per fragment: the newest commit's params and momentum, and at most one open round.
+    assert len(_keys(box, "blobs/")) <= 3 * ALGORITHM.fragments
+    gm.align(make_model(), mailbox=box)
+
+
+def test_each_round_is_closed_once() -> None:
+    box = gm.MemoryMailbox()
+    learners = [Learner("a", 100, seed=1), Learner("b", 100, seed=2)]
+    run_learners(learners, box, ALGORITHM)
+    closed = [
+        e.round
+        for learner in learners
+        if learner.session is not None
+        for e in learner.session.events
+        if isinstance(e, gm.events.Committed)
+    ]
+    assert len(closed) == len(set(closed)), "a round was reported committed twice"
+    training = {c.round for c in commits(box) if c.round >= ALGORITHM.fragments}
+    assert set(closed) == training
+    assert sum(ln.session.counters().closed for ln in learners if ln.session) == len(training)
+
+
 def test_plain_averaging_settings_average_the_snapshots() -> None:
     """outer_lr=1, momentum=0: a commit is the sample-weighted mean of its contributors."""
     algorithm = gm.DiLoCo(sync_every=5, fragments=1, outer_lr=1.0, outer_momentum=0.0)

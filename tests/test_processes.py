@@ -1,0 +1,347 @@
+"""Runs with real processes: examples/synthetic.py's node and checker roles, on one mailbox.
+
+Every test runs over a file mailbox and over each S3 server of ``GRADIENTMAIL_S3_ENDPOINT``:
+
+- spec 004's setup: nodes of 400 and 100 steps commit >= 30 training rounds, most of them
+  with both nodes; a checker recomputes every commit as it lands, and ``gm.align`` in that
+  third process loads the newest commit of each fragment;
+- a learner killed with SIGKILL: the survivor goes on committing rounds alone, and the
+  victim's lease lapses;
+- a late joiner: it starts from the newest commits and then contributes to later rounds.
+
+Waits are bounded by ``wait_until`` (``GRADIENTMAIL_TEST_TIMEOUT``) and subprocess timeouts,
+and children are killed in ``finally``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import gradientmail as gm
+from gradientmail import protocol as p
+from gradientmail.inspect import LearnerView, RunWatcher
+from gradientmail.payload import get_tensors
+from tests.s3env import S3Target, remove_prefix, s3_targets
+from tests.support.waiting import TEST_TIMEOUT, wait_until
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "examples" / "synthetic.py"
+FRAGMENTS = 4
+SYNC_EVERY = 12
+LEASE_TIMEOUT = 2.0
+RUN_LIMIT = 150.0  # seconds for one whole examples/synthetic.py run
+LONG = 100_000  # steps of a node that runs until the test kills it
+
+S3_TARGETS = s3_targets()
+
+
+@dataclass(frozen=True)
+class Store:
+    name: str
+    url: str
+
+    def open(self) -> gm.Mailbox:
+        return gm.open_mailbox(self.url)
+
+
+@pytest.fixture(params=["filesystem", *(f"s3-{t.name}" for t in S3_TARGETS)])
+def store(
+    request: pytest.FixtureRequest, tmp_path: Path, s3_buckets: list[S3Target]
+) -> Iterator[Store]:
+    if request.param == "filesystem":
+        yield Store("filesystem", (tmp_path / "mailbox").as_uri())
+        return
+    target = next(t for t in s3_buckets if f"s3-{t.name}" == request.param)
+    prefix = f"test-processes-{uuid.uuid4().hex[:12]}"
+    try:
+        yield Store(request.param, target.mailbox(prefix).url)
+    finally:
+        remove_prefix(target, prefix)
+
+
+# -- reading the run from the test process ---------------------------------------------------
+
+
+@dataclass
+class Rounds:
+    """The commits of a run, read incrementally (records are never deleted)."""
+
+    box: gm.Mailbox
+    commits: dict[int, p.Commit] = field(default_factory=dict)
+
+    def refresh(self) -> dict[int, p.Commit]:
+        async def read() -> None:
+            for key in await self.box.list(p.ROUNDS):
+                r = p.parse_round_key(key)
+                if r not in self.commits:
+                    self.commits[r] = p.decode_commit(key, await self.box.get(key))
+
+        asyncio.run(read())
+        return self.commits
+
+    def training(self) -> dict[int, tuple[str, ...]]:
+        """Training round -> its contributors, as of the last refresh."""
+        return {
+            r: tuple(c.learner for c in commit.contributors)
+            for r, commit in sorted(self.commits.items())
+            if r >= FRAGMENTS
+        }
+
+    def newest(self) -> list[int]:
+        self.refresh()
+        return [max(r for r in self.commits if r % FRAGMENTS == f) for f in range(FRAGMENTS)]
+
+
+# -- node processes --------------------------------------------------------------------------
+
+
+class Node:
+    """``examples/synthetic.py --role node``; its JSON lines are collected by a thread."""
+
+    def __init__(
+        self, store: Store, index: int, *, steps: int, parties: int, delay: float = 0.02
+    ) -> None:
+        self.learner = f"node-{index}"
+        argv = [
+            sys.executable,
+            str(SCRIPT),
+            "--role=node",
+            f"--mailbox={store.url}",
+            "--nodes=2",
+            f"--index={index}",
+            f"--steps={steps}",
+            f"--step-delay={delay}",
+            f"--parties={parties}",
+            f"--sync-every={SYNC_EVERY}",
+            f"--fragments={FRAGMENTS}",
+            f"--lease-timeout={LEASE_TIMEOUT}",
+            "--round-timeout=3",
+            "--poll-interval=0.05",
+            f"--timeout={TEST_TIMEOUT}",
+        ]
+        self.records: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self.proc = subprocess.Popen(
+            argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        stdout: IO[str] | None = self.proc.stdout
+        assert stdout is not None
+        for line in stdout:
+            with contextlib.suppress(json.JSONDecodeError), self._lock:
+                self.records.append(json.loads(line))
+
+    def record(self, event: str) -> dict[str, Any] | None:
+        with self._lock:
+            return next((r for r in self.records if r.get("event") == event), None)
+
+    def wait_for(self, event: str) -> dict[str, Any]:
+        def found() -> dict[str, Any] | None:
+            if self.proc.poll() is not None and self.record(event) is None:
+                raise AssertionError(
+                    f"{self.learner} exited ({self.proc.returncode}) before {event}"
+                )
+            return self.record(event)
+
+        return wait_until(found, f"{self.learner}: {event}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+@contextlib.contextmanager
+def killing(*nodes: Node) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        for node in nodes:
+            node.kill()
+
+
+def pause(seconds: float) -> None:
+    """Let the run go on for a moment (bounded, used between wait_until calls)."""
+    end = time.monotonic() + seconds
+    wait_until(lambda: time.monotonic() >= end, f"{seconds} s to pass", timeout=seconds + 5)
+
+
+# -- a. spec 004's end-to-end check ----------------------------------------------------------
+
+
+def test_spec_setup_commits_verified_rounds_and_align_loads_the_newest(
+    store: Store, tmp_path: Path
+) -> None:
+    result_path, aligned_path = tmp_path / "result.json", tmp_path / "aligned.safetensors"
+    argv = [
+        sys.executable,
+        str(SCRIPT),
+        f"--mailbox={store.url}",
+        "--nodes=2",
+        "--steps=400,100",
+        f"--sync-every={SYNC_EVERY}",
+        f"--fragments={FRAGMENTS}",
+        "--min-rounds=30",
+        # The checker must verify round r before the sweep removes its base commit's
+        # payloads, (keep_rounds - 1) * fragments rounds later: one more cycle of slack for
+        # a loaded CI machine.
+        "--keep-rounds=3",
+        f"--timeout={RUN_LIMIT}",
+        f"--result={result_path}",
+        f"--aligned={aligned_path}",
+    ]
+    run = subprocess.run(
+        argv, cwd=REPO, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+        timeout=RUN_LIMIT + 30,
+    )  # fmt: skip
+    assert run.returncode == 0, f"{run.stdout}\n{run.stderr}"
+    summary = json.loads(result_path.read_text())
+    assert summary["ok"], summary["failures"]
+
+    # Every commit in the mailbox was seen by the checker, and each one recomputed to the
+    # same bytes as the closer's.
+    rounds = Rounds(store.open())
+    committed = rounds.refresh()
+    checked = {c["round"]: c for c in summary["commits"]}
+    assert sorted(checked) == sorted(committed)
+    assert all(c["ok"] for c in checked.values())
+    assert summary["verified"] == len(committed)
+
+    training = rounds.training()
+    both = [r for r, who in training.items() if set(who) == {"node-0", "node-1"}]
+    assert len(training) >= 30, training
+    assert len(both) > len(training) / 2, training
+    for r, who in training.items():
+        assert checked[r]["contributors"] == list(who)
+        assert checked[r]["samples"] == committed[r].samples
+
+    # align, in the checker, loaded the newest commit of every fragment, bit for bit.
+    newest = rounds.newest()
+    assert summary["align"]["rounds"] == {str(f): r for f, r in enumerate(newest)}
+    aligned = load_file(aligned_path)
+    manifest = p.decode_manifest(p.MANIFEST, asyncio.run(rounds.box.get(p.MANIFEST)))
+    assert manifest.num_fragments == FRAGMENTS
+    for f, r in enumerate(newest):
+        params = asyncio.run(get_tensors(rounds.box, committed[r].params, manifest.fragments[f]))
+        for name, tensor in params.items():
+            assert torch.equal(aligned[name], tensor), (f, r, name)
+    assert summary["aligned_loss"] < summary["fresh_loss"]
+
+
+# -- b. a learner killed mid-run -------------------------------------------------------------
+
+
+def watch(watcher: RunWatcher) -> dict[str, LearnerView]:
+    view = asyncio.run(watcher.poll())
+    return {learner.learner: learner for learner in view.learners}
+
+
+def test_killed_learner_lease_lapses_and_the_survivor_goes_on(store: Store) -> None:
+    survivor = Node(store, 0, steps=LONG, parties=2)
+    victim = Node(store, 1, steps=LONG, parties=2)
+    with killing(survivor, victim):
+        box = store.open()
+        rounds = Rounds(box)
+        watcher = RunWatcher(box, lease_timeout=LEASE_TIMEOUT)
+        survivor.wait_for("started")
+        victim.wait_for("started")
+
+        def shared() -> int:
+            rounds.refresh()
+            return sum(len(who) == 2 for who in rounds.training().values())
+
+        wait_until(lambda: shared() >= 3, "three rounds with both nodes")
+        assert wait_until(lambda: watch(watcher).get("node-1"), "node-1's lease").live
+
+        victim.proc.send_signal(signal.SIGKILL)
+        victim.proc.wait(timeout=10)
+        killed_at = time.monotonic()
+        last_before = max(rounds.refresh())
+        # Dead, but not gone yet: it did not leave, so only its lease can lapse.
+        assert watch(watcher)["node-1"].live
+
+        def alone_after_kill() -> list[int]:
+            rounds.refresh()
+            return [
+                r for r, who in rounds.training().items() if r > last_before and who == ("node-0",)
+            ]
+
+        # The survivor keeps committing: several new rounds, with itself alone.
+        wait_until(lambda: len(alone_after_kill()) >= FRAGMENTS, "rounds by the survivor")
+
+        # The victim's lease lapses: not live, and not a clean leave.
+        def lapsed_view() -> LearnerView | None:
+            view = watch(watcher)["node-1"]
+            return None if view.live else view
+
+        lapsed = wait_until(lapsed_view, "node-1's lease to lapse")
+        assert not lapsed.leaving
+        assert time.monotonic() - killed_at >= LEASE_TIMEOUT / 4  # it lapsed, not vanished
+        views = watch(watcher)
+        assert views["node-0"].live
+        assert not views["node-1"].live
+        assert survivor.proc.poll() is None, "the survivor stopped"
+        assert victim.record("done") is None
+
+
+# -- c. a late joiner ------------------------------------------------------------------------
+
+
+def test_late_joiner_starts_from_the_newest_commits_and_contributes(store: Store) -> None:
+    first = Node(store, 0, steps=LONG, parties=1)
+    with killing(first):
+        box = store.open()
+        rounds = Rounds(box)
+        first.wait_for("started")
+        wait_until(lambda: len(rounds.refresh()) >= 3 * FRAGMENTS, "rounds by the first node")
+        before = rounds.newest()
+
+        late = Node(store, 1, steps=LONG, parties=1)
+        with killing(late):
+            joined = late.wait_for("joined")
+            after = rounds.newest()
+            assert not joined["creator"]
+            for f in range(FRAGMENTS):
+                r = joined["rounds"][f]
+                assert r % FRAGMENTS == f
+                assert before[f] <= r <= after[f], (f, before, joined["rounds"], after)
+                # Its model holds exactly the parameters of those commits.
+                assert joined["params"][f] == rounds.commits[r].params, f
+            event = late.wait_for("joined-event")
+            assert event["rounds"] == joined["rounds"]
+
+            # It then contributes to rounds after the ones it joined at, with the first node.
+            def contributed() -> list[int]:
+                rounds.refresh()
+                return [
+                    r
+                    for r, who in rounds.training().items()
+                    if r > max(joined["rounds"]) and "node-1" in who
+                ]
+
+            wait_until(lambda: len(contributed()) >= FRAGMENTS, "rounds with the late joiner")
+            assert any(set(rounds.training()[r]) == {"node-0", "node-1"} for r in contributed())
+            assert late.proc.poll() is None
+            assert first.proc.poll() is None
