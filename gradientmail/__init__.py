@@ -17,12 +17,13 @@ Package map:
   ``_leases.py`` judges liveness, ``_retry.py`` backs off, ``_metered.py`` counts traffic.
 - ``events.py``: the events and counters a Session reports.
 - ``inspect.py``: a read-only view of a run (CLI, operator); ``verify.py`` recomputes commits.
+- ``patterns/``: :class:`Barrier` (``barrier.py``) and the Shared Queue (``shared_queue.py``).
 - ``cli.py``: the ``gradientmail`` command.
 """
 
-from gradientmail import events, inspect, verify
-from gradientmail._join import align
-from gradientmail.algorithms import DiLoCo
+from typing import TYPE_CHECKING, Any
+
+from gradientmail import events, inspect
 from gradientmail.errors import (
     MailboxConfigError,
     MailboxError,
@@ -35,9 +36,17 @@ from gradientmail.mailbox.file import FileMailbox
 from gradientmail.mailbox.memory import MemoryMailbox
 from gradientmail.mailbox.s3 import S3Mailbox
 from gradientmail.mailbox.url import open_mailbox
-from gradientmail.session import Session
+from gradientmail.patterns.barrier import Barrier
+from gradientmail.patterns.shared_queue import SharedQueue, shared_queue
+
+if TYPE_CHECKING:
+    from gradientmail import verify
+    from gradientmail._join import align
+    from gradientmail.algorithms import DiLoCo
+    from gradientmail.session import Session
 
 __all__ = [
+    "Barrier",
     "DiLoCo",
     "FileMailbox",
     "Mailbox",
@@ -49,11 +58,42 @@ __all__ = [
     "ProtocolError",
     "S3Mailbox",
     "Session",
+    "SharedQueue",
     "align",
     "events",
     "inspect",
     "open_mailbox",
+    "shared_queue",
     "verify",
 ]
+
+# The training side needs torch; the mailbox, the patterns and the inspector do not (the
+# operator image has no torch). Those names load on first use.
+_TORCH_NAMES = {
+    "Session": ("gradientmail.session", "Session"),
+    "DiLoCo": ("gradientmail.algorithms", "DiLoCo"),
+    "align": ("gradientmail._join", "align"),
+    "verify": ("gradientmail.verify", None),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _TORCH_NAMES:
+        raise AttributeError(f"module 'gradientmail' has no attribute {name!r}")
+    import importlib
+
+    module_name, attribute = _TORCH_NAMES[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name in ("torch", "safetensors", "numpy"):
+            raise ImportError(
+                f"gradientmail.{name} needs {exc.name}: pip install 'gradientmail[torch]'"
+            ) from exc
+        raise
+    value = module if attribute is None else getattr(module, attribute)
+    globals()[name] = value
+    return value
+
 
 __version__ = "0.1.0.dev0"

@@ -14,7 +14,10 @@ key                                 written by      holds
 ``leases/{learner}/{beat:010d}``    learner         :class:`Beat`: heartbeat; newest key wins
 ``blobs/{sha256}``                  anyone          safetensors bytes named by their hash
 ``barriers/{name}/{learner}``       Barrier         arrival (patterns)
-``units/{id}``                      Shared Queue    unit claim (patterns)
+``units/{id}``                      Shared Queue    first claim of a unit (patterns)
+``units-reclaims/{id}/{attempt}``   Shared Queue    later claims of an abandoned unit
+``units-done/{id}``                 Shared Queue    the unit was consumed completely
+``units-leases/{learner}/{beat}``   Shared Queue    the queue's own lease (same rules)
 ==================================  ==============  ===========================================
 
 Rounds form one monotone sequence. With ``P`` fragments, round ``r`` carries fragment

@@ -11,6 +11,7 @@ import torch
 import gradientmail as gm
 from gradientmail import _retry
 from gradientmail import protocol as p
+from gradientmail.payload import get_tensors
 from gradientmail.testing import FaultyMailbox
 from tests.support.waiting import wait_until
 from tests.training import (
@@ -96,7 +97,7 @@ def test_align_loads_the_newest_commits(mailbox: gm.Mailbox) -> None:
     assert rounds == {f: c.round for f, c in newest.items()}
 
     async def params(key: str) -> dict[str, torch.Tensor]:
-        return await gm.payload.get_tensors(mailbox, key)
+        return await get_tensors(mailbox, key)
 
     for commit in newest.values():
         for name, value in asyncio.run(params(commit.params)).items():
