@@ -11,6 +11,7 @@ the next learner claims ``attempt + 1``.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -72,6 +73,7 @@ class RoundCloser:
         self._watch: dict[int, _Watch] = {}
         self._records: dict[int, p.Commit] = {}
         self._momentum: dict[int, tuple[str, dict[str, torch.Tensor]]] = {}
+        self._claims: dict[str, str] = {}
 
     def forget(self, r: int) -> None:
         self._watch.pop(r, None)
@@ -90,6 +92,9 @@ class RoundCloser:
             del self._watch[stale]
         for stale in [x for x in self._records if x < horizon]:
             del self._records[stale]
+        stale_claims = [k for k in self._claims if k < p.claims_prefix(max(horizon, 0))]
+        for key in stale_claims:
+            del self._claims[key]
         watch = self._watch.setdefault(r, _Watch(self.clock()))
         snaps = await retrying(partial(self.box.list, p.snapshots_prefix(r)))
         contributors = {key.rpartition("/")[2] for key in snaps}
@@ -111,7 +116,7 @@ class RoundCloser:
         if claims:
             newest = claims[-1]
             attempt = p.parse_claim_attempt(newest)
-            holder = p.decode_claim(newest, await retrying(partial(self.box.get, newest))).learner
+            holder = await self._holder(newest)
             if holder == self.learner:
                 return attempt  # ours: a previous tick (or a previous life) claimed it
             seen = watch.claim_seen.setdefault(attempt, self.clock())
@@ -124,8 +129,15 @@ class RoundCloser:
         key = p.claim_key(r, attempt)
         if await retrying(partial(self.box.put_if_absent, key, record)):
             return attempt
-        holder = p.decode_claim(key, await retrying(partial(self.box.get, key))).learner
+        holder = await self._holder(key)
         return attempt if holder == self.learner else None
+
+    async def _holder(self, key: str) -> str:
+        """Who holds a claim; claims are created once, so each is read at most once."""
+        if key not in self._claims:
+            data = await retrying(partial(self.box.get, key))
+            self._claims[key] = p.decode_claim(key, data).learner
+        return self._claims[key]
 
     async def _base(self, r: int) -> p.Commit:
         base_round = r - self.layout.count
@@ -157,24 +169,33 @@ class RoundCloser:
                 momentum = cached[1]
             else:
                 momentum = await retrying(partial(get_tensors, self.box, base.momentum, specs))
-        contributions: list[tuple[str, int, Mapping[str, torch.Tensor]]] = []
-        listed: list[p.Contribution] = []
         assert isinstance(snaps, list | tuple)
-        for key in snaps:
-            snap = p.decode_snapshot(key, await retrying(partial(self.box.get, key)))
-            if snap.round != r or snap.base != base.round:
-                continue  # not built on this round's base: cannot be combined
+        records = await asyncio.gather(*(retrying(partial(self.box.get, key)) for key in snaps))
+        usable: list[p.Snapshot] = []
+        for key, data in zip(snaps, records, strict=True):
+            snap = p.decode_snapshot(key, data)
+            if snap.round == r and snap.base == base.round:
+                usable.append(snap)  # others were not built on this round's base
+
+        async def local(snap: p.Snapshot) -> Mapping[str, torch.Tensor]:
             if snap.learner == self.learner and snap.payload == own_payload:
-                tensors: Mapping[str, torch.Tensor] = own_snapshot  # no need to download our own
-            else:
-                tensors = await retrying(partial(get_tensors, self.box, snap.payload, specs))
-            contributions.append((snap.learner, snap.samples, tensors))
-            listed.append(p.Contribution(snap.learner, snap.samples, snap.payload))
+                return own_snapshot  # no need to download our own
+            return await retrying(partial(get_tensors, self.box, snap.payload, specs))
+
+        # The downloads overlap; with several contributors this is most of a round's latency.
+        tensors = await asyncio.gather(*(local(snap) for snap in usable))
+        contributions = [
+            (snap.learner, snap.samples, values)
+            for snap, values in zip(usable, tensors, strict=True)
+        ]
+        listed = [p.Contribution(snap.learner, snap.samples, snap.payload) for snap in usable]
         if not contributions:
             raise ProtocolError(f"round {r}: no usable snapshot among {len(snaps)} listed")
         params, new_momentum = self.algorithm.combine(base_params, momentum, contributions)
-        params_key, _ = await retrying(partial(put_tensors, self.box, params))
-        momentum_key, _ = await retrying(partial(put_tensors, self.box, new_momentum))
+        (params_key, _), (momentum_key, _) = await asyncio.gather(
+            retrying(partial(put_tensors, self.box, params)),
+            retrying(partial(put_tensors, self.box, new_momentum)),
+        )
         commit = p.Commit(
             round=r,
             fragment=fragment,
@@ -207,11 +228,9 @@ class RoundCloser:
             )
         )
         self.forget(r)
-        if won:
-            await self._sweep(commit)
         return outcome
 
-    async def _sweep(self, commit: p.Commit) -> None:
+    async def sweep(self, commit: p.Commit) -> None:
         """Delete what no recent commit needs: the snapshots, claims and payloads of round
         ``r - keep_rounds * P``. Payload keys still named by a kept commit are spared (the
         same bytes can recur under the same content-addressed key)."""

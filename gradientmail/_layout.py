@@ -67,4 +67,5 @@ class ModelLayout:
         with torch.no_grad():
             for name in self.fragments[fragment]:
                 param = self.params[name]
-                param.add_(new_global[name].to(param.dtype) - anchor[name].to(param.dtype))
+                # In place, no temporaries: a fresh buffer per tensor costs more than the math.
+                param.add_(new_global[name]).sub_(anchor[name])

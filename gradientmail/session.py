@@ -415,6 +415,7 @@ class Session:
                     if pending is None:
                         break
                     await self._publish(pending)
+                    next_check = 0.0  # a new snapshot may complete a round: look now
                 with self._lock:
                     open_rounds = [x for x in self._inflight.values() if x.payload is not None]
                 if open_rounds and time.monotonic() >= next_check:
@@ -484,11 +485,21 @@ class Session:
         if outcome is not None:
             with self._lock:
                 # Marked here, not only when the syncer sees it: otherwise the next tick
-                # would close this round again and adopt our own record.
+                # would close this round again and adopt our own record. And before the
+                # sweep below, so the syncer takes the fast path instead of downloading.
                 self._committed.add(outcome.commit.round)
                 self._counters.closed += 1
                 if outcome.params is not None:
                     self._fast[outcome.commit.round] = outcome.params
+            if outcome.params is not None:
+                try:
+                    await self._closer.sweep(outcome.commit)
+                except Stopped:
+                    raise
+                except Exception as exc:  # sweeping is housekeeping; the round is committed
+                    self._emit(
+                        RoundFailed(self.learner_id, round=pending.round, error=f"sweep: {exc!r}")
+                    )
 
     async def _sync(self) -> None:
         while not self._stop.is_set():

@@ -18,6 +18,8 @@ from gradientmail import FileMailbox, Mailbox, MemoryMailbox
 from tests.s3env import S3Target, ensure_bucket, fresh_s3_mailbox, s3_targets
 from tests.thirdparty.spec_file_mailbox import FileMailbox as SpecFileMailbox
 
+pytest_plugins = ["tests.kube.fixtures"]  # kube_cluster, kube_apiserver (the Kubernetes stand-in)
+
 
 def memory() -> Iterator[Mailbox]:
     yield MemoryMailbox(f"test-{uuid.uuid4().hex[:8]}")
