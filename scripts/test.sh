@@ -7,9 +7,9 @@ cd "$(dirname "$0")/.."
 scripts/install.sh
 
 echo "==> ruff"
-.venv/bin/ruff check gradientmail tests bench examples
-.venv/bin/ruff format --check gradientmail tests bench examples
-echo "==> mypy --strict gradientmail"
+.venv/bin/ruff check gradientmail operator tests bench examples
+.venv/bin/ruff format --check gradientmail operator tests bench examples
+echo "==> mypy --strict gradientmail operator"
 .venv/bin/mypy
 echo "==> pytest (SeaweedFS + moto on loopback)"
 exec .venv/bin/python -m tests.support.s3servers -- .venv/bin/python -m pytest "$@"

@@ -58,8 +58,14 @@ def _query(url: str, query: str, allowed: set[str]) -> dict[str, str]:
     return params
 
 
-def open_mailbox(url: str) -> Mailbox:
-    """Open the mailbox a URL names; raise ``ValueError`` naming what is wrong with it."""
+def open_mailbox(url: str, **s3_options: Any) -> Mailbox:
+    """Open the mailbox a URL names; raise ``ValueError`` naming what is wrong with it.
+
+    ``s3_options`` go to :class:`S3Mailbox` (e.g. ``aws_access_key_id=``,
+    ``aws_secret_access_key=`` read from a Secret by the operator); other schemes take none.
+    """
+    if s3_options and not str(url).startswith("s3://"):
+        raise ValueError(f"mailbox URL {url!r}: options {sorted(s3_options)} are for s3:// only")
     if not isinstance(url, str) or "://" not in url:
         raise ValueError(
             f"mailbox URL {url!r} has no scheme; use s3://bucket/prefix, file:///dir "
@@ -68,7 +74,7 @@ def open_mailbox(url: str) -> Mailbox:
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     if scheme == "s3":
-        return _open_s3(url, parts.netloc, parts.path, parts.query)
+        return _open_s3(url, parts.netloc, parts.path, parts.query, s3_options)
     if scheme == "file":
         params = _query(url, parts.query, {"fsync"})
         if parts.netloc not in ("", "localhost"):
@@ -92,7 +98,7 @@ def open_mailbox(url: str) -> Mailbox:
     )
 
 
-def _open_s3(url: str, bucket: str, path: str, query: str) -> Mailbox:
+def _open_s3(url: str, bucket: str, path: str, query: str, extra: dict[str, Any]) -> Mailbox:
     params = _query(
         url, query, {"endpoint", "region", "connect_timeout", "read_timeout", "max_attempts"}
     )
@@ -103,7 +109,7 @@ def _open_s3(url: str, bucket: str, path: str, query: str) -> Mailbox:
         raise ValueError(
             f"mailbox URL {url!r}: endpoint={endpoint!r} must be an http:// or https:// URL"
         )
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = dict(extra)
     for name in ("connect_timeout", "read_timeout"):
         if name in params:
             options[name] = _number(url, name, params[name], float)

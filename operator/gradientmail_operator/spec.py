@@ -1,0 +1,168 @@
+"""The GradientMailRun resource, as pydantic models: the single source of the CRD schema.
+
+``crd.py`` renders :class:`GradientMailRunSpec` into the CRD's ``openAPIV3Schema``; the
+operator parses every resource it sees with the same models, so a spec the CRD accepts is a
+spec the operator understands, and an unknown field is refused by name.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+GROUP = "gradientmail.dev"
+VERSION = "v1alpha1"
+KIND = "GradientMailRun"
+PLURAL = "gradientmailruns"
+SINGULAR = "gradientmailrun"
+SHORT_NAMES = ["gmr"]
+
+DEFAULT_IMAGE = "ghcr.io/gradientmail/node:0.1.0"
+DEFAULT_COMMAND = ["python", "-m", "gradientmail.node"]
+
+_SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(part.title() for part in rest)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid", alias_generator=_camel, populate_by_name=True, frozen=True
+    )
+
+
+class EnvVar(_Model):
+    """An environment variable with a literal value (use ``valueFrom`` for secrets)."""
+
+    name: str = Field(min_length=1, description="Variable name.")
+    value: str | None = Field(default=None, description="Literal value.")
+    value_from: dict[str, Any] | None = Field(
+        default=None,
+        description="A Kubernetes EnvVarSource (secretKeyRef, configMapKeyRef, fieldRef).",
+    )
+
+
+class Toleration(_Model):
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class Resources(_Model):
+    requests: dict[str, str | int] | None = Field(default=None, description="e.g. cpu: 2")
+    limits: dict[str, str | int] | None = Field(default=None, description="e.g. memory: 8Gi")
+
+
+class PodTemplate(_Model):
+    """What each node pod runs. Defaults run the built-in node (``gradientmail.node``)."""
+
+    image: str = Field(default=DEFAULT_IMAGE, min_length=1, description="Node image.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
+    command: list[str] = Field(default_factory=lambda: list(DEFAULT_COMMAND))
+    args: list[str] = Field(default_factory=list)
+    env: list[EnvVar] = Field(default_factory=list, description="Extra environment.")
+    resources: Resources | None = None
+    node_selector: dict[str, str] | None = None
+    tolerations: list[Toleration] | None = None
+    service_account_name: str | None = None
+    labels: dict[str, str] = Field(default_factory=dict, description="Extra pod labels.")
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("env")
+    @classmethod
+    def _no_reserved_env(cls, env: list[EnvVar]) -> list[EnvVar]:
+        for var in env:
+            if var.name.startswith("GRADIENTMAIL_"):
+                raise ValueError(
+                    f"env {var.name}: GRADIENTMAIL_* variables are set by the operator"
+                )
+        return env
+
+
+class SecretRef(_Model):
+    """The Secret holding S3 credentials; the operator passes it by reference only."""
+
+    name: str = Field(min_length=1)
+    access_key_id_key: str = Field(default="AWS_ACCESS_KEY_ID")
+    secret_access_key_key: str = Field(default="AWS_SECRET_ACCESS_KEY")
+
+
+class MailboxSpec(_Model):
+    """Where the run's mailbox lives: a URL, or endpoint + bucket (+ base prefix).
+
+    Each run gets its own prefix under the base prefix, derived from namespace, name and uid.
+    """
+
+    url: str | None = Field(default=None, description="s3://bucket/base?endpoint=… or file://")
+    endpoint: str | None = Field(default=None, description="S3 endpoint URL (non-AWS stores).")
+    bucket: str | None = None
+    prefix: str = Field(default="gradientmail", description="Base prefix for runs.")
+    region: str | None = None
+    credentials_secret: SecretRef | None = None
+
+    @model_validator(mode="after")
+    def _url_or_bucket(self) -> MailboxSpec:
+        if (self.url is None) == (self.bucket is None):
+            raise ValueError("give either mailbox.url or mailbox.bucket (with endpoint)")
+        if self.url is not None and not self.url.startswith(("s3://", "file://")):
+            raise ValueError(f"mailbox.url {self.url!r} must start with s3:// or file://")
+        if self.endpoint is not None and not self.endpoint.startswith(("http://", "https://")):
+            raise ValueError(f"mailbox.endpoint {self.endpoint!r} must be an http(s) URL")
+        if any(part in ("", ".", "..") for part in self.prefix.strip("/").split("/")):
+            raise ValueError(f"mailbox.prefix {self.prefix!r} has an empty or dot segment")
+        return self
+
+
+class AlgorithmSpec(_Model):
+    """DiLoCo and Session settings handed to every node."""
+
+    sync_every: int = Field(default=100, ge=1)
+    fragments: int = Field(default=1, ge=1)
+    outer_lr: float = Field(default=0.7, gt=0)
+    outer_momentum: float = Field(default=0.9, ge=0, lt=1)
+    quorum: int = Field(default=1, ge=1)
+    round_timeout: float = Field(default=10.0, gt=0)
+    steps: int = Field(default=200, ge=1, description="Steps of the built-in node.")
+
+    @model_validator(mode="after")
+    def _fragments_fit(self) -> AlgorithmSpec:
+        if self.fragments > self.sync_every:
+            raise ValueError("algorithm.fragments cannot exceed algorithm.syncEvery")
+        return self
+
+
+class GradientMailRunSpec(_Model):
+    """A training run: ``nodes`` pods that meet only in the mailbox."""
+
+    nodes: int = Field(ge=1, le=1000, description="Node pods to run.")
+    template: PodTemplate = Field(default_factory=PodTemplate)
+    mailbox: MailboxSpec
+    barriers: dict[str, Annotated[int, Field(ge=1)]] = Field(
+        default_factory=dict, description="Barrier name → parties (default parties = nodes)."
+    )
+    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
+    max_restarts: int = Field(default=3, ge=0, description="Failed pods replaced, run-wide.")
+    cleanup_policy: Literal["Retain", "Delete"] = Field(
+        default="Retain", description="What happens to the run's prefix on deletion."
+    )
+
+    @field_validator("barriers")
+    @classmethod
+    def _barrier_names(cls, barriers: dict[str, int]) -> dict[str, int]:
+        for name in barriers:
+            if not _SEGMENT.fullmatch(name):
+                raise ValueError(
+                    f"barrier name {name!r} must be 1-63 characters of A-Z a-z 0-9 . _ -"
+                )
+        return barriers
+
+    def parties(self) -> dict[str, int]:
+        """Every barrier the built-in node uses, with its parties (default: all nodes)."""
+        return {"start": self.nodes, "done": self.nodes} | dict(self.barriers)
