@@ -11,6 +11,7 @@ Run with ``kopf run -m gradientmail_operator.handlers --all-namespaces`` (or
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -260,6 +261,16 @@ async def cleanup(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
     except (ValidationError, LookupError) as exc:
         logger.warning(f"cannot clean up {url}: {exc}; the prefix is kept")
         return
+    # Stop the nodes first: a node still running would write into the prefix after the wipe.
+    namespace, name = str(body.metadata.namespace), str(body.metadata.name)
+    for pod in await kube().pods(namespace, name):
+        await kube().delete_pod(namespace, pod.name)
+    for _ in range(120):
+        if not await kube().pods(namespace, name):
+            break
+        await asyncio.sleep(0.5)
+    else:
+        raise kopf.TemporaryError("node pods are still terminating", delay=5)
     box = gm.open_mailbox(url, **credentials)
     keys = await box.list("")
     await box.delete(keys)

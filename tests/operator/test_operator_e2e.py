@@ -276,3 +276,36 @@ def test_missing_secret_and_unreachable_mailbox(operator: KubeCluster) -> None:
     assert endpoint in condition["message"]
     assert _events(cluster, "MailboxUnreachable")
     assert "not-logged" not in json.dumps(_get(cluster, "unreachable"))
+
+
+def test_deletion_cascades_and_cleanup_deletes_the_prefix(
+    operator: KubeCluster, tmp_path: Path
+) -> None:
+    import asyncio
+
+    import gradientmail as gm
+
+    cluster = operator
+    base = (tmp_path / "box").as_uri()
+    cluster.apply(_run("keep", {"url": base}, nodes=1, algorithm={"steps": 400}))
+    cluster.apply(
+        _run("wipe", {"url": base}, nodes=1, cleanupPolicy="Delete", algorithm={"steps": 400})
+    )
+    urls = {}
+    for name in ("keep", "wipe"):
+        urls[name] = wait_until(
+            lambda n=name: (
+                (_status(cluster, n).get("roundsCommitted") or 0) >= 0
+                and _status(cluster, n).get("newestRound") is not None
+                and _status(cluster, n)["mailbox"]
+            ),
+            f"{name} to commit",
+            timeout=RUN_TIMEOUT,
+        )
+    for name in ("keep", "wipe"):
+        cluster.kubectl("delete", "gmr", name, "--wait=true", timeout=RUN_TIMEOUT)
+    wait_until(lambda: _pods(cluster, "keep") == [] and _pods(cluster, "wipe") == [], "GC")
+    kept = asyncio.run(gm.open_mailbox(urls["keep"]).list(""))
+    wiped = asyncio.run(gm.open_mailbox(urls["wipe"]).list(""))
+    assert "manifest.json" in kept, "cleanupPolicy Retain (the default) keeps the prefix"
+    assert wiped == [], "cleanupPolicy Delete empties the run's prefix"
