@@ -265,7 +265,7 @@ async def cleanup(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
     namespace, name = str(body.metadata.namespace), str(body.metadata.name)
     for pod in await kube().pods(namespace, name):
         await kube().delete_pod(namespace, pod.name)
-    for _ in range(120):
+    for _attempt in range(120):
         if not await kube().pods(namespace, name):
             break
         await asyncio.sleep(0.5)
