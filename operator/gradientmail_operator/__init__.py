@@ -3,8 +3,8 @@
 Importable as ``gradientmail_operator`` (never as ``operator``, which would shadow the
 standard library); ``scripts/install.sh`` installs it from ``operator/``. Files:
 
-- ``spec.py``: the resource's pydantic models, the single source of the CRD schema.
-- ``crd.py``: renders the CRD YAML from ``spec.py`` (``python -m gradientmail_operator.crd``).
+- ``crd.py``: renders the CRD YAML from the spec models in ``gradientmail/runspec.py``
+  (shared with ``gradientmail run``): ``python -m gradientmail_operator.crd``.
 - ``render.py``: pure: the run's prefix and mailbox URL, the node pods (env, security).
 - ``reconcile.py``: pure: from spec, status and pods to a plan (create, delete, phase,
   events); phases and condition reasons.

@@ -22,10 +22,10 @@ from pydantic import ValidationError
 
 import gradientmail as gm
 from gradientmail.inspect import RunView, RunWatcher
+from gradientmail.runspec import GROUP, PLURAL, VERSION, GradientMailRunSpec
 from gradientmail_operator import render
 from gradientmail_operator.kube import Kube
 from gradientmail_operator.reconcile import Phase, Reason, plan
-from gradientmail_operator.spec import GROUP, PLURAL, VERSION, GradientMailRunSpec
 from gradientmail_operator.status import conditions_patch, view_status
 
 RECONCILE_INTERVAL = float(os.environ.get("GRADIENTMAIL_OPERATOR_RECONCILE_INTERVAL", "2"))

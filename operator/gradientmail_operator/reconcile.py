@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from gradientmail_operator.spec import GradientMailRunSpec
+from gradientmail.runspec import GradientMailRunSpec
 
 
 class Phase(StrEnum):

@@ -11,7 +11,7 @@ from typing import Any
 from urllib.parse import urlencode, urlsplit, urlunsplit
 
 from gradientmail.node import NodeEnv
-from gradientmail_operator.spec import GROUP, KIND, VERSION, GradientMailRunSpec
+from gradientmail.runspec import GROUP, KIND, VERSION, GradientMailRunSpec
 
 LABEL_RUN = f"{GROUP}/run"
 LABEL_INDEX = f"{GROUP}/node-index"

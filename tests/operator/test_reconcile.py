@@ -9,9 +9,9 @@ import yaml
 from pydantic import ValidationError
 
 from gradientmail.node import NodeEnv
+from gradientmail.runspec import GradientMailRunSpec
 from gradientmail_operator import crd, render
 from gradientmail_operator.reconcile import Phase, PodState, Reason, plan
-from gradientmail_operator.spec import GradientMailRunSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART_CRD = ROOT / "charts/gradientmail-operator/crds/gradientmailruns.yaml"

@@ -1,8 +1,9 @@
-"""The GradientMailRun resource, as pydantic models: the single source of the CRD schema.
+"""The GradientMailRun spec, as pydantic models: the single source of the CRD schema.
 
-``crd.py`` renders :class:`GradientMailRunSpec` into the CRD's ``openAPIV3Schema``; the
-operator parses every resource it sees with the same models, so a spec the CRD accepts is a
-spec the operator understands, and an unknown field is refused by name.
+The operator's ``crd.py`` renders :class:`GradientMailRunSpec` into the CRD's
+``openAPIV3Schema``; the operator parses every resource it sees with the same models, and
+so does ``gradientmail run -f run.yaml``: a spec the CRD accepts is a spec both understand,
+and an unknown field is refused by name.
 """
 
 from __future__ import annotations
