@@ -4,14 +4,21 @@ The operator's ``crd.py`` renders :class:`GradientMailRunSpec` into the CRD's
 ``openAPIV3Schema``; the operator parses every resource it sees with the same models, and
 so does ``gradientmail run -f run.yaml``: a spec the CRD accepts is a spec both understand,
 and an unknown field is refused by name.
+
+The pure derivations from a spec to what a node sees (:func:`mailbox_url`,
+:func:`learner_id`, :func:`node_env`) live here too, so the operator's pods and
+``gradientmail run``'s local processes get the same environment.
 """
 
 from __future__ import annotations
 
 import re
 from typing import Annotated, Any, Literal
+from urllib.parse import urlencode, urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from gradientmail.node import NodeEnv
 
 GROUP = "gradientmail.dev"
 VERSION = "v1alpha1"
@@ -167,3 +174,43 @@ class GradientMailRunSpec(_Model):
     def parties(self) -> dict[str, int]:
         """Every barrier the built-in node uses, with its parties (default: all nodes)."""
         return {"start": self.nodes, "done": self.nodes} | dict(self.barriers)
+
+
+# -- from a spec to what each node sees (the operator and ``gradientmail run``) -------------
+
+
+def mailbox_url(spec: GradientMailRunSpec, prefix: str) -> str:
+    """The run's mailbox URL: the user's base location plus the run's own prefix."""
+    box = spec.mailbox
+    if box.url is not None:
+        parts = urlsplit(box.url)
+        path = "/".join(p for p in (parts.path.strip("/"), prefix) if p)
+        return urlunsplit((parts.scheme, parts.netloc, "/" + path, parts.query, ""))
+    query = {k: v for k, v in (("endpoint", box.endpoint), ("region", box.region)) if v}
+    path = "/".join(p for p in (box.prefix.strip("/"), prefix) if p)
+    tail = f"?{urlencode(query)}" if query else ""
+    return f"s3://{box.bucket}/{path}{tail}"
+
+
+def learner_id(run: str, index: int) -> str:
+    """Node ``index``'s learner id; stable across restarts, so a replaced node rejoins."""
+    return re.sub(r"[^A-Za-z0-9._-]", "-", f"{run}-node-{index}")[:128]
+
+
+def node_env(spec: GradientMailRunSpec, run: str, index: int, url: str) -> NodeEnv:
+    """The environment contract of node ``index`` of run ``run`` (mailbox ``url``)."""
+    algo = spec.algorithm
+    return NodeEnv(
+        mailbox=url,
+        learner_id=learner_id(run, index),
+        node_index=index,
+        nodes=spec.nodes,
+        barriers=spec.parties(),
+        sync_every=algo.sync_every,
+        fragments=algo.fragments,
+        outer_lr=algo.outer_lr,
+        outer_momentum=algo.outer_momentum,
+        quorum=algo.quorum,
+        round_timeout=algo.round_timeout,
+        steps=algo.steps,
+    )
