@@ -105,6 +105,7 @@ class Session:
         quorum_size: int = 1,
         round_timeout: float = 10.0,
         poll_interval: float = 0.5,
+        idle_poll_interval: float = 5.0,
         lease_timeout: float = 15.0,
         join_timeout: float = 120.0,
         close_timeout: float = 120.0,
@@ -124,6 +125,7 @@ class Session:
         for name, value in (
             ("round_timeout", round_timeout),
             ("poll_interval", poll_interval),
+            ("idle_poll_interval", idle_poll_interval),
             ("lease_timeout", lease_timeout),
             ("join_timeout", join_timeout),
             ("close_timeout", close_timeout),
@@ -138,6 +140,7 @@ class Session:
         self._layout = ModelLayout(model, algorithm)
         self._fragments = self._layout.count
         self.poll_interval = float(poll_interval)
+        self.idle_poll_interval = max(float(idle_poll_interval), self.poll_interval)
         self.close_timeout = float(close_timeout)
         self._on_event = on_event
         self._lock = threading.Lock()
@@ -173,6 +176,8 @@ class Session:
         self._committed: set[int] = set()
         self._fast: dict[int, dict[str, torch.Tensor]] = {}  # rounds this node closed
         self._beat_no = 0
+        self._oldest_beat = 0
+        self._wake_sync = threading.Event()
         self._closed = False
 
         self.creator = run_coroutine(self._join(float(join_timeout)))
@@ -315,11 +320,13 @@ class Session:
         own = await retrying(
             partial(self._box.list, p.lease_prefix(self.learner_id)), deadline=deadline
         )
-        beats = [p.parse_beat_key(key)[1] for key in own]
-        if p.LEAVING_BEAT in beats:
-            await retrying(partial(self._box.delete, [p.beat_key(self.learner_id, p.LEAVING_BEAT)]))
-            beats.remove(p.LEAVING_BEAT)
-        self._beat_no = max(beats, default=-1) + 1
+        beats = sorted(p.parse_beat_key(key)[1] for key in own)
+        newest = max((b for b in beats if b != p.LEAVING_BEAT), default=-1)
+        stale = [p.beat_key(self.learner_id, b) for b in beats if b != newest]
+        if stale:  # beats of a previous life, the leaving beat first among them
+            await retrying(partial(self._box.delete, stale), deadline=deadline)
+        self._beat_no = newest + 1
+        self._oldest_beat = max(newest, 0)
         await self._beat(deadline=deadline)
         self._emit(Joined(self.learner_id, creator=creator, rounds=tuple(self._applied)))
         return creator
@@ -376,9 +383,12 @@ class Session:
 
         asyncio.run(main())
 
-    async def _pause(self, seconds: float) -> None:
+    async def _pause(self, seconds: float, wake: threading.Event | None = None) -> None:
         end = time.monotonic() + seconds
         while not self._stop.is_set() and (left := end - time.monotonic()) > 0:
+            if wake is not None and wake.is_set():
+                wake.clear()
+                return
             await asyncio.sleep(min(left, 0.05))
 
     def _emit(self, event: Event) -> None:
@@ -397,9 +407,12 @@ class Session:
         await retrying(partial(self._box.put_if_absent, key, record), stop=stop, deadline=deadline)
         if not leaving:
             self._beat_no += 1
-            if number >= 2:  # keep the newest two; older beats are swept
-                old = p.beat_key(self.learner_id, number - 2)
-                await retrying(partial(self._box.delete, [old]), stop=stop, deadline=deadline)
+            # Keep the newest two beats; sweep older ones in batches (one request per eight
+            # beats, not one per beat: an idle learner's request rate matters on S3 bills).
+            if number - self._oldest_beat >= 9:
+                old = [p.beat_key(self.learner_id, n) for n in range(self._oldest_beat, number - 1)]
+                await retrying(partial(self._box.delete, old), stop=stop, deadline=deadline)
+                self._oldest_beat = number - 1
 
     async def _communicate(self) -> None:
         next_beat = time.monotonic() + self._beat_interval
@@ -415,6 +428,7 @@ class Session:
                     if pending is None:
                         break
                     await self._publish(pending)
+                    self._wake_sync.set()  # from now on the syncer polls at the fast rate
                     next_check = 0.0  # a new snapshot may complete a round: look now
                 with self._lock:
                     open_rounds = [x for x in self._inflight.values() if x.payload is not None]
@@ -509,7 +523,12 @@ class Session:
                 return
             except Exception as exc:
                 self._emit(PollFailed(self.learner_id, error=f"rounds: {exc!r}"))
-            await self._pause(self.poll_interval)
+            # Adaptive polling: fast while this learner waits for a commit of its own, slow
+            # when idle (a commit it did not contribute to can wait a few seconds).
+            with self._lock:
+                waiting = bool(self._inflight)
+            interval = self.poll_interval if waiting else self.idle_poll_interval
+            await self._pause(interval, wake=self._wake_sync)
 
     async def _poll_rounds(self) -> None:
         # Rounds of different fragments can commit out of order; listing after the oldest
