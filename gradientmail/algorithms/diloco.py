@@ -128,17 +128,20 @@ class DiLoCo:
         new_params: dict[str, torch.Tensor] = {}
         new_momentum: dict[str, torch.Tensor] = {}
         for name, global_value in base.items():
-            g = global_value.to(torch.float32)
-            # Σ w_i (g − x_i) = g − Σ w_i x_i   (weights sum to one)
-            average = torch.zeros_like(g)
+            g = global_value.to(torch.float32)  # a view when already float32
+            # One full-size temporary: the accumulator, reused for delta and the update.
+            acc = torch.zeros_like(g)
             for _, samples, local in ordered:
-                average.add_(local[name].to(torch.float32), alpha=samples / total)
-            delta = g - average
+                acc.add_(local[name].to(torch.float32), alpha=samples / total)
+            acc.neg_().add_(g)  # delta = g − Σ w_i x_i  (the weights sum to one)
             if momentum is None:  # the first round: momentum starts at zero
-                m = delta.clone()
+                m = acc.clone()
             else:
-                m = momentum[name].to(torch.float32).mul(self.outer_momentum).add_(delta)
-            update = delta.add(m, alpha=self.outer_momentum) if self.nesterov else m
-            new_params[name] = g.sub(update, alpha=self.outer_lr).to(global_value.dtype)
+                m = momentum[name].to(torch.float32).mul(self.outer_momentum).add_(acc)
+            if self.nesterov:
+                acc.add_(m, alpha=self.outer_momentum)  # update = delta + μ·m
+            else:
+                acc.copy_(m)
+            new_params[name] = g.sub(acc, alpha=self.outer_lr).to(global_value.dtype)
             new_momentum[name] = m
         return new_params, new_momentum
