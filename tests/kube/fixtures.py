@@ -45,7 +45,7 @@ from tests.kube.apiserver import ApiServer
 from tests.kube.binaries import kubectl_path
 from tests.kube.client import KubeApi
 from tests.kube.kubelet import Kubelet
-from tests.kube.processes import ManagedProcess
+from tests.support.processes import ManagedProcess
 
 __all__ = ["KubeCluster", "kube_apiserver", "kube_cluster", "start_cluster"]
 

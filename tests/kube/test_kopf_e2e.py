@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from tests.kube.fixtures import KubeCluster
-from tests.kube.processes import ManagedProcess
 from tests.kube.sample_operator import FINALIZER, LABEL
+from tests.support.processes import ManagedProcess
 from tests.support.waiting import wait_until
 
 HERE = Path(__file__).parent

@@ -51,6 +51,8 @@ import boto3
 import botocore.config
 import botocore.exceptions
 
+from tests.support.processes import ManagedProcess
+
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
 
@@ -249,95 +251,24 @@ def _log_tail(path: Path, start: int = 0, lines: int = _LOG_TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-class _Process:
-    """A child process in its own process group, logging to a file.
-
-    The process is never reaped before :meth:`stop` (status is peeked with ``WNOWAIT``), so its
-    pid, and the process group id, cannot be reused while we may still signal the group.
-    """
-
-    def __init__(
-        self, argv: list[str], log_path: Path, cwd: Path, env: dict[str, str] | None = None
-    ) -> None:
-        self.argv = argv
-        self.log_path = log_path
-        with log_path.open("ab") as log:
-            log.write(f"\n=== {time.strftime('%H:%M:%S')} {shlex.join(argv)}\n".encode())
-            log.flush()
-            self._popen = subprocess.Popen(
-                argv,
-                cwd=cwd,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        self.pid = self._popen.pid
-        self._stopped = False
-        self._lock = threading.Lock()
-
-    def exit_status(self) -> int | None:
-        """The exit status (``-N`` for signal N) if the process has ended, without reaping."""
-        if self._popen.returncode is not None:
-            return self._popen.returncode
-        try:
-            info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        except ChildProcessError:
-            return self._popen.poll()
-        if info is None:
-            return None
-        return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
-
-    def _wait_exit(self, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while self.exit_status() is None:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.05)
-        return True
-
-    def _signal_group(self, sig: int) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, sig)
-
-    def stop(self, timeout: float = STOP_TIMEOUT_S) -> bool:
-        """SIGTERM the group, SIGKILL it after ``timeout`` s; reap. True if it had to be killed."""
-        with self._lock:
-            if self._stopped:
-                return False
-            killed = False
-            if self.exit_status() is None:
-                self._signal_group(signal.SIGTERM)
-                if not self._wait_exit(timeout):
-                    killed = True
-                    self._signal_group(signal.SIGKILL)
-                    self._wait_exit(10.0)
-            # Stragglers in the group; the unreaped leader keeps the group id reserved.
-            self._signal_group(signal.SIGKILL)
-            self._popen.wait()
-            self._stopped = True
-            return killed
-
-
 @dataclass
 class _Running:
     server: S3Server
-    process: _Process
+    process: ManagedProcess
     start_seconds: float
     cleanup: Callable[[], None] | None = None
 
     def stop(self) -> float:
         """Stop the server; returns the seconds it took."""
         started = time.monotonic()
-        self.process.stop()
+        self.process.stop(STOP_TIMEOUT_S)
         if self.cleanup is not None:
             self.cleanup()
         return time.monotonic() - started
 
 
 def _wait_ready(
-    process: _Process, server: S3Server, deadline: float, cancel: threading.Event
+    process: ManagedProcess, server: S3Server, deadline: float, cancel: threading.Event
 ) -> None:
     client = _client(server, connect_timeout=1, read_timeout=3, retries={"total_max_attempts": 1})
     last_error: Exception | None = None
@@ -385,7 +316,7 @@ def _launch(
         started = time.monotonic()
         log_start = log_path.stat().st_size if log_path.exists() else 0
         try:
-            process = _Process(argv, log_path, cwd=workdir, env=env)
+            process = ManagedProcess(argv, log_path=log_path, cwd=workdir, env=env)
         except OSError as exc:
             if cleanup is not None:
                 cleanup()
