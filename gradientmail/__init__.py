@@ -18,7 +18,8 @@ Package map:
 - ``events.py``: the events and counters a Session reports.
 - ``inspect.py``: a read-only view of a run (CLI, operator); ``verify.py`` recomputes commits.
 - ``patterns/``: :class:`Barrier` (``barrier.py``) and the Shared Queue (``shared_queue.py``).
-- ``cli.py``: the ``gradientmail`` command.
+- ``cli/``: the ``gradientmail`` command (``run``, ``status``, ``align``, ``verify``, ``sweep``,
+  ``rm``, ``demo``).
 """
 
 from typing import TYPE_CHECKING, Any

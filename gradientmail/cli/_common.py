@@ -43,7 +43,11 @@ class CliError(Exception):
 
 
 def out() -> Console:
-    return Console(highlight=False, soft_wrap=True)
+    """stdout; lines of text are never wrapped (commands and URLs stay whole to copy)."""
+    console = Console(highlight=False, soft_wrap=True)
+    if not console.is_terminal:  # a file or a pipe: no need to fit 80 columns
+        console = Console(highlight=False, soft_wrap=True, width=max(console.width, 120))
+    return console
 
 
 def err() -> Console:
@@ -105,6 +109,10 @@ def store_error(url: str, exc: MailboxError) -> CliError:
     return CliError(f"{url}: {exc}")
 
 
+class EmptyPrefix(CliError):
+    """Nothing at all is stored under the URL."""
+
+
 @dataclass(frozen=True)
 class RunHead:
     """What the two create-once records at a prefix's root say."""
@@ -125,10 +133,11 @@ async def read_head(box: Mailbox, url: str) -> RunHead:
     if manifest is None and claim is None:
         keys = await box.list("")
         if not keys:
-            raise CliError(f"no run at {url}: the prefix is empty")
+            raise EmptyPrefix(f"no run at {url}: the prefix is empty")
         sample = ", ".join(keys[:3])
         raise CliError(
-            f"{url} is not a GradientMail run: {len(keys)} objects ({sample}"
+            f"{url} is not a GradientMail run: {len(keys)} object{'s' if len(keys) > 1 else ''} "
+            f"({sample}"
             f"{', …' if len(keys) > 3 else ''}) but no {p.MANIFEST} or {p.CREATOR}"
         )
     creator = manifest.creator if manifest else claim.learner if claim else None
@@ -149,7 +158,7 @@ def confirm(question: str, assume_yes: bool) -> bool:
     """Ask on the terminal (or read a line from stdin); anything but y/yes is no."""
     if assume_yes:
         return True
-    err().print(f"{question} [y/N] ", end="")
+    err().print(f"{question} [y/N] ", end="", markup=False)
     try:
         answer = sys.stdin.readline()
     except KeyboardInterrupt:

@@ -1,6 +1,6 @@
-"""The ``gradientmail`` command.
+"""``gradientmail demo``: the bare mailbox coordination, without training.
 
-``gradientmail demo`` starts several node processes that never talk to each other: they
+It starts several node processes that never talk to each other: they
 elect a creator, line up at a barrier and split a queue of work units, all through
 ``put_if_absent`` and ``list`` on one mailbox (a fresh directory unless ``--mailbox`` names
 another store), then prints who did what. It is the smallest proof that a mailbox is
@@ -12,19 +12,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from gradientmail.errors import MailboxError
 from gradientmail.mailbox import Mailbox
 from gradientmail.mailbox.url import open_mailbox
 
-__all__ = ["main"]
+__all__ = ["add_parser", "run"]
 
 _POLL = 0.05
 
@@ -128,10 +126,12 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gradientmail", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="coordinate a few local processes through a mailbox")
+def add_parser(sub: Any) -> None:
+    demo = sub.add_parser(
+        "demo",
+        help="coordinate a few local processes through a mailbox (no training)",
+        description=__doc__.split("\n\n")[1].replace("\n", " "),
+    )
     demo.add_argument("--nodes", type=int, default=3, help="node processes to start (3)")
     demo.add_argument("--units", type=int, default=12, help="work units to split (12)")
     demo.add_argument("--mailbox", help="mailbox URL (default: a fresh file:// directory)")
@@ -142,22 +142,9 @@ def _parser() -> argparse.ArgumentParser:
     node.add_argument("--nodes", type=int, required=True)
     node.add_argument("--units", type=int, required=True)
     node.add_argument("--timeout", type=float, required=True)
-    return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    try:
-        if args.command == "demo":
-            return _run_demo(args)
-        return _run_node(args)
-    except (MailboxError, TimeoutError) as exc:
-        print(f"gradientmail: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-
-
-if __name__ == "__main__":
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    sys.exit(main())
+def run(args: argparse.Namespace) -> int:
+    if args.subcommand == "demo":
+        return _run_demo(args)
+    return _run_node(args)

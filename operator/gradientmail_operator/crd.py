@@ -4,8 +4,9 @@
 with it and a test fails when the two drift. The conversion makes pydantic's JSON schema
 structural, as Kubernetes requires: references inlined, ``Optional`` as ``nullable``,
 free-form maps as ``x-kubernetes-preserve-unknown-fields``, ``str | int`` as
-``x-kubernetes-int-or-string``, no ``additionalProperties: false`` (the API server prunes
-unknown fields itself; the operator refuses them by name).
+``x-kubernetes-int-or-string``, exclusive bounds as OpenAPI v3.0 booleans, no
+``additionalProperties: false`` (the API server prunes unknown fields itself; the operator
+refuses them by name).
 """
 
 from __future__ import annotations
@@ -67,6 +68,11 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
             out[key] = {name: _structural(v, defs) for name, v in value.items()}
         elif key == "const":
             out["enum"] = [value]
+        elif key in ("exclusiveMinimum", "exclusiveMaximum") and not isinstance(value, bool):
+            # JSON Schema 2020's number form; OpenAPI v3.0 (and the API server) wants the
+            # bound in minimum/maximum and a boolean flag.
+            out["minimum" if key == "exclusiveMinimum" else "maximum"] = value
+            out[key] = True
         else:
             out[key] = _structural(value, defs)
     if node.get("type") == "object" and "properties" not in node:
@@ -84,7 +90,13 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
 
 def spec_schema() -> dict[str, Any]:
     raw = GradientMailRunSpec.model_json_schema(by_alias=True, mode="validation")
-    return dict(_structural(raw, raw.get("$defs", {})))
+    schema = dict(_structural(raw, raw.get("$defs", {})))
+    # No server-side default for the node image: the API server would write it into every
+    # run that has a `template`, hiding the operator's configured default node image
+    # (GRADIENTMAIL_OPERATOR_NODE_IMAGE, the chart's nodePods.image). The models' default
+    # still applies when neither names one.
+    schema["properties"]["template"]["properties"]["image"].pop("default", None)
+    return schema
 
 
 def crd() -> dict[str, Any]:

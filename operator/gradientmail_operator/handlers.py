@@ -7,6 +7,9 @@ Run with ``kopf run -m gradientmail_operator.handlers --all-namespaces`` (or
 - ``GRADIENTMAIL_OPERATOR_STATUS_INTERVAL``: seconds between mailbox polls per run (10).
 - ``GRADIENTMAIL_OPERATOR_NODE_IMAGE``: image for runs that name none.
 - ``GRADIENTMAIL_OPERATOR_POD_LABELS``: extra pod labels, ``k=v,k2=v2``.
+- ``GRADIENTMAIL_OPERATOR_CLUSTER_SCANNING``: ``0`` turns off kopf's cluster-wide observation
+  of CRDs and namespaces (``settings.scanning.disabled``), for namespaced installs whose
+  RBAC grants nothing cluster-wide (``1``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ POD_LABELS = dict(
     for item in os.environ.get("GRADIENTMAIL_OPERATOR_POD_LABELS", "").split(",")
     if "=" in item
 )
+CLUSTER_SCANNING = os.environ.get("GRADIENTMAIL_OPERATOR_CLUSTER_SCANNING", "1") != "0"
 
 _kube: Kube | None = None
 
@@ -52,6 +56,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.finalizer = f"{GROUP}/cleanup"
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 120
+    settings.scanning.disabled = not CLUSTER_SCANNING
     kube()
 
 

@@ -1,7 +1,9 @@
 """The few Kubernetes calls the operator makes (kubernetes client, run in threads).
 
-Every verb on every resource the operator uses is listed in :data:`CALLS`; the chart's RBAC
-test checks the ClusterRole grants exactly these (plus what kopf itself needs).
+Every verb on every resource the operator uses is listed here: :data:`CALLS` (this module),
+:data:`FRAMEWORK_CALLS` and :data:`CLUSTER_SCANNING_CALLS` (kopf, for ``handlers.py``). The
+chart's RBAC tests (``tests/charts``) check its Roles grant exactly these, and that every
+request the running operator makes is among them.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 import kubernetes
 from kubernetes.client.exceptions import ApiException
 
+from gradientmail.runspec import GROUP, PLURAL
 from gradientmail_operator.reconcile import PodState
 from gradientmail_operator.render import LABEL_INDEX, LABEL_RUN
 
@@ -21,6 +24,24 @@ CALLS: dict[tuple[str, str], frozenset[str]] = {
     ("", "secrets"): frozenset({"get"}),
 }
 """(API group, resource) -> verbs this module calls."""
+
+FRAMEWORK_CALLS: dict[tuple[str, str], frozenset[str]] = {
+    # kopf watches the runs, and patches them: finalizer, progress annotations, status.
+    (GROUP, PLURAL): frozenset({"list", "watch", "patch"}),
+    (GROUP, f"{PLURAL}/status"): frozenset({"patch"}),
+    # kopf.event / kopf.warn post core/v1 Events next to the run.
+    ("", "events"): frozenset({"create"}),
+}
+"""(API group, resource) -> verbs kopf calls for ``handlers.py``, in each served namespace
+(``kopf run --standalone``: no peering objects)."""
+
+CLUSTER_SCANNING_CALLS: dict[tuple[str, str], frozenset[str]] = {
+    ("apiextensions.k8s.io", "customresourcedefinitions"): frozenset({"list", "watch"}),
+}
+"""Cluster-scoped calls of kopf's resource observation, made unless
+``GRADIENTMAIL_OPERATOR_CLUSTER_SCANNING=0`` (which a namespaced install sets). With
+``--all-namespaces`` kopf does not observe namespaces; with ``--namespace`` and scanning on it
+would also list and watch ``namespaces``."""
 
 
 class Kube:

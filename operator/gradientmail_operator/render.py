@@ -6,12 +6,14 @@ No I/O here, so every decision is unit-tested without a cluster.
 from __future__ import annotations
 
 import hashlib
-import re
 from typing import Any
-from urllib.parse import urlencode, urlsplit, urlunsplit
 
-from gradientmail.node import NodeEnv
 from gradientmail.runspec import GROUP, KIND, VERSION, GradientMailRunSpec
+
+# The derivations shared with ``gradientmail run`` live with the spec models.
+from gradientmail.runspec import learner_id as learner_id
+from gradientmail.runspec import mailbox_url as mailbox_url
+from gradientmail.runspec import node_env as node_env
 
 LABEL_RUN = f"{GROUP}/run"
 LABEL_INDEX = f"{GROUP}/node-index"
@@ -40,44 +42,8 @@ def run_prefix(namespace: str, name: str, uid: str) -> str:
     return f"{namespace}/{name}-{digest}"
 
 
-def mailbox_url(spec: GradientMailRunSpec, prefix: str) -> str:
-    """The run's mailbox URL: the user's base location plus the run's own prefix."""
-    box = spec.mailbox
-    if box.url is not None:
-        parts = urlsplit(box.url)
-        path = "/".join(p for p in (parts.path.strip("/"), prefix) if p)
-        return urlunsplit((parts.scheme, parts.netloc, "/" + path, parts.query, ""))
-    query = {k: v for k, v in (("endpoint", box.endpoint), ("region", box.region)) if v}
-    path = "/".join(p for p in (box.prefix.strip("/"), prefix) if p)
-    tail = f"?{urlencode(query)}" if query else ""
-    return f"s3://{box.bucket}/{path}{tail}"
-
-
 def pod_name(run: str, index: int) -> str:
     return f"{run}-node-{index}"
-
-
-def learner_id(run: str, index: int) -> str:
-    # Stable across pod replacements: a replaced node rejoins as the same learner.
-    return re.sub(r"[^A-Za-z0-9._-]", "-", f"{run}-node-{index}")[:128]
-
-
-def node_env(spec: GradientMailRunSpec, run: str, index: int, url: str) -> NodeEnv:
-    algo = spec.algorithm
-    return NodeEnv(
-        mailbox=url,
-        learner_id=learner_id(run, index),
-        node_index=index,
-        nodes=spec.nodes,
-        barriers=spec.parties(),
-        sync_every=algo.sync_every,
-        fragments=algo.fragments,
-        outer_lr=algo.outer_lr,
-        outer_momentum=algo.outer_momentum,
-        quorum=algo.quorum,
-        round_timeout=algo.round_timeout,
-        steps=algo.steps,
-    )
 
 
 def owner_reference(name: str, uid: str) -> dict[str, Any]:

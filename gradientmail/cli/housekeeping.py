@@ -1,0 +1,273 @@
+"""``gradientmail sweep`` and ``gradientmail rm``: deleting, always after a confirmation.
+
+``sweep`` deletes what the protocol's own sweep (``RoundCloser.sweep``) would have by now,
+for a run whose nodes did not (they crashed, or ran with a large ``keep_rounds``): for each
+fragment, the snapshots, closer claims and payloads of rounds at least ``keep_rounds``
+commits behind its newest, except payloads a kept commit or snapshot still names; and
+every learner's beats but the newest two. Round records (``rounds/``) stay: they are the
+run's history and small. It is safe beside live nodes (what it deletes only gets older);
+``--orphans`` also deletes payloads no kept record names, which is only safe when no node
+is running (a node uploads a payload before the record that names it).
+
+``rm`` deletes every object under the URL's prefix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.table import Table
+
+from gradientmail import protocol as p
+from gradientmail.cli._common import (
+    USAGE,
+    CliError,
+    batches,
+    confirm,
+    err,
+    mailbox_for,
+    out,
+    progress,
+    require_manifest,
+    run_async,
+    store_error,
+)
+from gradientmail.errors import MailboxError, ProtocolError
+from gradientmail.mailbox import Mailbox
+from gradientmail.mailbox.s3 import S3Mailbox
+
+__all__ = ["SweepPlan", "add_parsers", "plan_sweep", "run_rm", "run_sweep"]
+
+_READ_BATCH = 64
+_DELETE_BATCH = 500
+
+
+def add_parsers(sub: Any) -> None:
+    sweep = sub.add_parser(
+        "sweep",
+        help="delete old snapshots, claims, payloads and beats of a run (asks first)",
+        description=__doc__.split("\n\n")[1].replace("\n", " "),
+    )
+    sweep.add_argument("url", help="the run's mailbox URL")
+    sweep.add_argument(
+        "--keep-rounds",
+        type=int,
+        default=2,
+        help="commits of each fragment whose inputs stay (2, the Session default)",
+    )
+    sweep.add_argument(
+        "--orphans",
+        action="store_true",
+        help="also delete payloads no kept record names (only when no node is running)",
+    )
+    sweep.add_argument("-y", "--yes", action="store_true", help="do not ask")
+    rm = sub.add_parser(
+        "rm",
+        help="delete everything under a mailbox URL (asks first)",
+        description="Delete every object under the URL's prefix: the whole run. Asks "
+        "first, showing how many objects; a prefix that holds no GradientMail run also "
+        "needs --force with --yes.",
+    )
+    rm.add_argument("url", help="the mailbox URL whose prefix to empty")
+    rm.add_argument("-y", "--yes", action="store_true", help="do not ask")
+    rm.add_argument(
+        "--force",
+        action="store_true",
+        help="with --yes: delete even a prefix that holds no GradientMail run, or a whole bucket",
+    )
+
+
+async def _delete(box: Mailbox, keys: Sequence[str]) -> None:
+    with progress("deleting", len(keys)) as advance:
+        for batch in batches(keys, _DELETE_BATCH):
+            await box.delete(batch)
+            advance(len(batch))
+
+
+async def _read(box: Mailbox, keys: Sequence[str]) -> dict[str, bytes | None]:
+    found: dict[str, bytes | None] = {}
+    with progress("reading records", len(keys)) as advance:
+        for batch in batches(keys, _READ_BATCH):
+            values = await asyncio.gather(*(box.get(key) for key in batch))
+            found.update(zip(batch, values, strict=True))
+            advance(len(batch))
+    return found
+
+
+# -- sweep ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SweepPlan:
+    keep_rounds: int
+    newest: dict[int, int]  # fragment -> newest committed round
+    snapshots: list[str] = field(default_factory=list)
+    claims: list[str] = field(default_factory=list)
+    payloads: list[str] = field(default_factory=list)
+    beats: list[str] = field(default_factory=list)
+
+    def keys(self) -> list[str]:
+        return sorted({*self.snapshots, *self.claims, *self.payloads, *self.beats})
+
+
+def _claim_round(key: str) -> int | None:
+    parts = key.split("/")
+    if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
+        return None
+    r = int(parts[1])
+    return r if p.claim_key(r, int(parts[2])) == key else None
+
+
+async def plan_sweep(box: Mailbox, url: str, keep_rounds: int, orphans: bool) -> SweepPlan:
+    """What to delete (reads only)."""
+    manifest = await require_manifest(box, url)
+    fragments = manifest.num_fragments
+    round_keys, snapshot_keys, claim_keys, beat_keys, blob_keys = await asyncio.gather(
+        box.list(p.ROUNDS),
+        box.list(p.SNAPSHOTS),
+        box.list(p.CLAIMS),
+        box.list(p.LEASES),
+        box.list(p.BLOBS),
+    )
+    newest: dict[int, int] = {}
+    for key in round_keys:
+        r = p.parse_round_key(key)
+        newest[r % fragments] = max(r, newest.get(r % fragments, -1))
+
+    def old(r: int) -> bool:
+        f = r % fragments
+        return f in newest and r <= newest[f] - keep_rounds * fragments
+
+    snapshots: dict[str, bool] = {}  # key -> doomed
+    for key in snapshot_keys:
+        try:
+            r, _ = p.parse_snapshot_key(key)
+        except ProtocolError:
+            continue  # not ours: leave it
+        snapshots[key] = old(r)
+    claim_rounds = {k: _claim_round(k) for k in claim_keys}
+    claims = [k for k, cr in claim_rounds.items() if cr is not None and old(cr)]
+    records = await _read(box, [*round_keys, *snapshots])
+    kept: set[str] = set()
+    candidates: set[str] = set()
+    for key in round_keys:
+        data = records[key]
+        if data is None:
+            continue
+        commit = p.decode_commit(key, data)
+        named = {commit.params, *(c.payload for c in commit.contributors)}
+        if commit.momentum:
+            named.add(commit.momentum)
+        (candidates if old(commit.round) else kept).update(named)
+    for key, doomed in snapshots.items():
+        data = records[key]
+        if data is None:
+            continue
+        payload = p.decode_snapshot(key, data).payload
+        (candidates if doomed else kept).add(payload)
+    existing = set(blob_keys)
+    payloads = (candidates - kept) & existing
+    if orphans:
+        payloads |= existing - kept
+    by_learner: dict[str, list[int]] = {}
+    for key in beat_keys:
+        try:
+            learner, beat = p.parse_beat_key(key)
+        except ProtocolError:
+            continue
+        if beat != p.LEAVING_BEAT:
+            by_learner.setdefault(learner, []).append(beat)
+    beats = [
+        p.beat_key(learner, beat)
+        for learner, numbers in by_learner.items()
+        for beat in sorted(numbers)[:-2]
+    ]
+    return SweepPlan(
+        keep_rounds,
+        newest,
+        snapshots=sorted(k for k, doomed in snapshots.items() if doomed),
+        claims=sorted(claims),
+        payloads=sorted(payloads),
+        beats=sorted(beats),
+    )
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    if args.keep_rounds < 1:
+        raise CliError("--keep-rounds must be >= 1", USAGE)
+    url: str = args.url
+    box = mailbox_for(url)
+    console = out()
+    try:
+        plan = run_async(lambda: plan_sweep(box, url, args.keep_rounds, args.orphans))
+        doomed = plan.keys()
+        if not doomed:
+            console.print(f"nothing to sweep at {url}", markup=False)
+            return 0
+        table = Table(box=None, show_header=False, pad_edge=False)
+        table.add_column()
+        table.add_column(justify="right")
+        for what, keys in (
+            ("snapshots", plan.snapshots),
+            ("closer claims", plan.claims),
+            ("payloads (blobs/)" + (", orphans included" if args.orphans else ""), plan.payloads),
+            ("old beats", plan.beats),
+        ):
+            table.add_row(f"  {what}", str(len(keys)))
+        table.add_row("  [bold]total[/]", f"[bold]{len(doomed)}[/]")
+        newest = ", ".join(f"{f}: {r}" for f, r in sorted(plan.newest.items()))
+        console.print(
+            f"sweep of {url}: keeping the inputs of the newest {plan.keep_rounds} commits of "
+            f"each fragment (newest rounds {newest}) and every round record",
+            markup=False,
+        )
+        console.print(table)
+        if not confirm(f"Delete these {len(doomed)} objects?", args.yes):
+            err().print("nothing deleted")
+            return 1
+        run_async(lambda: _delete(box, doomed))
+    except MailboxError as exc:
+        raise store_error(url, exc) from None
+    console.print(f"deleted {len(doomed)} objects", markup=False)
+    return 0
+
+
+# -- rm ------------------------------------------------------------------------------------
+
+
+def run_rm(args: argparse.Namespace) -> int:
+    url: str = args.url
+    box = mailbox_for(url)
+    console = out()
+    try:
+        keys = list(run_async(lambda: box.list("")))
+        if not keys:
+            console.print(f"nothing to delete: {url} is empty", markup=False)
+            return 0
+        is_run = p.MANIFEST in keys or p.CREATOR in keys
+        whole_bucket = isinstance(box, S3Mailbox) and not box.prefix
+        warnings = []
+        if not is_run:
+            warnings.append(f"{url} holds no GradientMail run ({keys[0]}, …)")
+        if whole_bucket:
+            warnings.append(f"{url} names a whole bucket, not a prefix")
+        for warning in warnings:
+            err().print(f"[yellow]warning[/]: {warning}", highlight=False)
+        if warnings and args.yes and not args.force:
+            raise CliError("refusing with --yes alone: add --force (or answer the question)")
+        question = f"Delete all {len(keys)} objects under {url}? This cannot be undone."
+        if not confirm(question, args.yes):
+            err().print("nothing deleted")
+            return 1
+        run_async(lambda: _delete(box, keys))
+        left = run_async(lambda: box.list(""))
+    except MailboxError as exc:
+        raise store_error(url, exc) from None
+    if left:
+        raise CliError(f"{len(left)} objects appeared while deleting (is a node still running?)")
+    console.print(f"deleted {len(keys)} objects; {url} is empty", markup=False)
+    return 0

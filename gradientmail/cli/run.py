@@ -1,0 +1,369 @@
+"""``gradientmail run``: a whole run as local processes, with the operator's environment.
+
+Each node is one process in its own process group, started with exactly the variables the
+operator puts into a pod (:func:`gradientmail.runspec.node_env`,
+:meth:`NodeEnv.to_environ`), so a script that runs here runs on a cluster unchanged. The
+mailbox is a fresh ``file://`` directory in the run folder unless ``--mailbox`` names
+another (``--mailbox spec`` takes the spec file's, with a fresh prefix under it).
+
+The run folder holds ``mailbox/``, ``logs/{learner}.log`` (each node's output),
+``nodes.json`` (pids and process groups) and ``run.yaml`` (the effective resource, which
+``kubectl apply`` and ``gradientmail run -f`` both take).
+
+Ending: a node that exits non-zero is restarted, as the same learner, while the run's
+``maxRestarts`` lasts; after that the others are stopped and the failing node's log tail
+printed (exit 1). Ctrl-C (or SIGTERM) sends SIGINT to every node's process group, waits
+``--stop-timeout`` seconds, then SIGTERM, then SIGKILL (exit 130; a second Ctrl-C skips
+the wait).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import queue
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import yaml
+from rich.console import Console
+from rich.live import Live
+from rich.markup import escape
+
+from gradientmail import protocol as p
+from gradientmail.cli._common import USAGE, CliError, err, mailbox_for, out, store_error
+from gradientmail.cli._nodes import Interrupted, Node, Runner, Watch
+from gradientmail.cli.spec import LOCAL_DEFAULTS, LoadedSpec, load_spec
+from gradientmail.cli.table import render_run
+from gradientmail.errors import MailboxError, ProtocolError
+from gradientmail.inspect import RunView
+from gradientmail.mailbox import Mailbox
+from gradientmail.runspec import mailbox_url, node_env
+
+__all__ = ["add_parser", "run_command"]
+
+POLL = 0.1  # seconds between looks at the processes
+
+# -- arguments -----------------------------------------------------------------------------
+
+
+def add_parser(sub: Any) -> None:
+    run = sub.add_parser(
+        "run",
+        help="run a GradientMailRun as local node processes, with a live table",
+        description="Run a GradientMailRun (the operator's file, or flags) as local node "
+        "processes that meet only in a mailbox, with the environment the operator injects. "
+        "Put a command of your own after `--` (default: the spec's, i.e. the built-in node "
+        "`python -m gradientmail.node`; `python` means this interpreter).",
+        usage="gradientmail run [-f RUN.yaml] [--nodes N] [--mailbox URL] [options] "
+        "[-- COMMAND ...]",
+    )
+    run.add_argument("-f", "--file", type=Path, help="a GradientMailRun resource, or its spec")
+    run.add_argument(
+        "--mailbox",
+        help="mailbox URL (default: a fresh file:// directory in the run folder); "
+        "'spec' uses the file's spec.mailbox with a fresh prefix under it",
+    )
+    run.add_argument("--name", help="run name: learners are NAME-node-I (metadata.name, local)")
+    defaults = LOCAL_DEFAULTS["algorithm"]
+    group = run.add_argument_group(
+        "spec fields (override the file; without one the defaults below apply)"
+    )
+    group.add_argument("--nodes", type=int, help=f"spec.nodes ({LOCAL_DEFAULTS['nodes']})")
+    group.add_argument("--steps", type=int, help=f"spec.algorithm.steps ({defaults['steps']})")
+    group.add_argument(
+        "--sync-every", type=int, help=f"spec.algorithm.syncEvery ({defaults['syncEvery']})"
+    )
+    group.add_argument(
+        "--fragments", type=int, help=f"spec.algorithm.fragments ({defaults['fragments']})"
+    )
+    group.add_argument("--quorum", type=int, help="spec.algorithm.quorum (1)")
+    group.add_argument(
+        "--round-timeout",
+        type=float,
+        help=f"spec.algorithm.roundTimeout, seconds ({defaults['roundTimeout']:g})",
+    )
+    group.add_argument("--max-restarts", type=int, help="spec.maxRestarts (3)")
+    run.add_argument("--workdir", type=Path, help="run folder (default: a fresh one in $TMPDIR)")
+    run.add_argument(
+        "--no-live", action="store_true", help="plain output even on a terminal (no table)"
+    )
+    run.add_argument(
+        "--stop-timeout",
+        type=float,
+        default=10.0,
+        help="seconds nodes get to leave after SIGINT before SIGTERM, then SIGKILL (10)",
+    )
+    run.add_argument(
+        "--poll-interval", type=float, default=0.5, help="seconds between mailbox polls (0.5)"
+    )
+
+
+def _fresh_workdir(name: str) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    base = Path(tempfile.gettempdir()) / "gradientmail"
+    base.mkdir(parents=True, exist_ok=True)
+    safe = re.sub(r"[^A-Za-z0-9._-]", "-", name)
+    return Path(tempfile.mkdtemp(prefix=f"{safe}-{stamp}-", dir=base))
+
+
+def _command(args: argparse.Namespace, loaded: LoadedSpec) -> list[str]:
+    template = loaded.spec.template
+    command = list(args.command) or [*template.command, *template.args]
+    if not command:
+        raise CliError("no command to run: the spec's template.command is empty", USAGE)
+    if command[0] in ("python", "python3"):
+        command[0] = sys.executable  # the interpreter this gradientmail is installed in
+    elif shutil.which(command[0]) is None:
+        raise CliError(f"command not found: {command[0]!r}", USAGE)
+    return command
+
+
+def _base_environ(loaded: LoadedSpec, nodes: int, console: Console) -> dict[str, str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("GRADIENTMAIL_")}
+    for var in loaded.spec.template.env:
+        if var.value_from is not None:
+            console.print(
+                f"[yellow]note[/]: env {escape(var.name)} comes from a Kubernetes source "
+                "(valueFrom) and is not set locally"
+            )
+        elif var.value is not None:
+            base[var.name] = var.value
+    base["PYTHONUNBUFFERED"] = "1"
+    # Several nodes share this machine: one each would oversubscribe every core.
+    threads = str(max(1, (os.cpu_count() or 1) // nodes))
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        base.setdefault(name, threads)
+    return base
+
+
+# -- the command ---------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _signals_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGHUP end the run like Ctrl-C."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise Interrupted(signum)
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old)
+
+
+def _probe(box: Mailbox, url: str) -> str | None:
+    """Reach the store once (bounded by its timeouts); say what it already holds."""
+
+    async def head() -> bytes | None:
+        return await box.get(p.MANIFEST)
+
+    try:
+        data = asyncio.run(head())
+    except MailboxError as exc:
+        raise store_error(url, exc) from None
+    if data is None:
+        return None
+    try:
+        return p.decode_manifest(p.MANIFEST, data).creator
+    except ProtocolError as exc:
+        raise CliError(f"{url} holds something GradientMail did not write: {exc}") from None
+
+
+def run_command(args: argparse.Namespace) -> int:
+    console, errors = out(), err()
+    for flag in ("stop_timeout", "poll_interval"):
+        if getattr(args, flag) <= 0:
+            raise CliError(f"--{flag.replace('_', '-')} must be positive", USAGE)
+    if args.workdir is not None and args.workdir.exists() and any(args.workdir.iterdir()):
+        raise CliError(f"--workdir {args.workdir}: not empty; give a new folder", USAGE)
+    name = args.name or "local"
+    # Validate the spec before creating anything.
+    placeholder = "file:///gradientmail-run/mailbox"
+    loaded = load_spec(args.file, vars(args), default_mailbox=placeholder, default_name=name)
+    if args.name:
+        loaded.resource["metadata"]["name"] = name
+    else:
+        name = loaded.name
+    command = _command(args, loaded)
+    if args.mailbox == "spec" and not loaded.has_mailbox:
+        raise CliError("--mailbox spec: the spec file names no mailbox", USAGE)
+    if args.mailbox not in (None, "spec"):
+        if urlsplit_scheme(args.mailbox) not in ("file", "s3"):
+            raise CliError(
+                f"--mailbox {args.mailbox}: nodes in separate processes need file:// or s3://",
+                USAGE,
+            )
+        mailbox_for(args.mailbox, create=True)  # a malformed URL fails before anything starts
+    workdir = (args.workdir or _fresh_workdir(name)).absolute()
+    (workdir / "logs").mkdir(parents=True, exist_ok=True)
+    if args.mailbox is None:
+        url = (workdir / "mailbox").as_uri()
+    elif args.mailbox == "spec":
+        url = mailbox_url(loaded.spec, f"local/{workdir.name}")
+    else:
+        url = args.mailbox
+    try:
+        box = mailbox_for(url, create=True)
+        creator = _probe(box, url)
+    except CliError:
+        if args.workdir is None:  # nothing ran: leave no empty run folder behind
+            shutil.rmtree(workdir, ignore_errors=True)
+        raise
+    spec = loaded.spec
+    resource = loaded.resource
+    if args.mailbox != "spec":
+        resource["spec"]["mailbox"] = {"url": url}
+    (workdir / "run.yaml").write_text(yaml.safe_dump(resource, sort_keys=False))
+    envs = [node_env(spec, name, i, url) for i in range(spec.nodes)]
+    nodes = [Node(i, env, workdir / "logs" / f"{env.learner_id}.log") for i, env in enumerate(envs)]
+    algo = spec.algorithm
+    console.print(f"[bold]run folder[/] {escape(str(workdir))}")
+    console.print(f"[bold]mailbox[/]    {escape(url)}")
+    console.print(
+        f"[bold]nodes[/]      {spec.nodes} × {escape(' '.join(command))}  "
+        f"(steps {algo.steps}, syncEvery {algo.sync_every}, fragments {algo.fragments}, "
+        f"maxRestarts {spec.max_restarts})"
+    )
+    if creator is not None:
+        console.print(
+            f"[yellow]note[/]: the mailbox already holds a run (created by "
+            f"{escape(creator)}); the nodes join it"
+        )
+    runner = Runner(
+        nodes, command, _base_environ(loaded, spec.nodes, errors), workdir, spec.max_restarts
+    )
+    watch = Watch(box, args.poll_interval)
+    live_mode = console.is_terminal and not args.no_live
+    started = time.monotonic()
+    failed: Node | None = None
+    interrupted: Interrupted | None = None
+
+    def title() -> str:
+        return f"{name} · {spec.nodes} nodes · {time.monotonic() - started:,.1f} s"
+
+    def render() -> Any:
+        return render_run(
+            title(),
+            watch.view,
+            polls=watch.polls,
+            nodes=[n.row() for n in nodes],
+            error=watch.error,
+            rate=watch.rate.value(),
+        )
+
+    def relay(print_line: Any) -> None:
+        while True:
+            try:
+                _node, line = runner.lines.get_nowait()
+            except queue.Empty:
+                return
+            print_line(line)
+
+    live: Live | None = None
+    last_status = 0.0
+    with _signals_interrupt():
+        try:
+            watch.start()
+            for node in nodes:
+                runner.start(node)
+            if live_mode:
+                live = Live(get_renderable=render, console=console, refresh_per_second=4)
+                live.start()
+            while True:
+                relay(lambda line: console.print(escape(line)))
+                failed = runner.reap()
+                if failed is not None or all(n.exit_code == 0 for n in nodes):
+                    break
+                if not live_mode and time.monotonic() - last_status > 5:
+                    last_status = time.monotonic()
+                    console.print(escape(_status_line(title(), watch.view, watch.rate.value())))
+                time.sleep(POLL)
+        except KeyboardInterrupt:
+            interrupted = Interrupted(signal.SIGINT)
+        except Interrupted as exc:
+            interrupted = exc
+        finally:
+            if runner.alive():
+                if live is None:
+                    errors.print(
+                        "stopping the nodes…"
+                        if failed is None
+                        else f"{failed.learner} failed; stopping the others…"
+                    )
+                runner.stop(args.stop_timeout)
+            # After Ctrl-C the nodes' tracebacks are noise here; they are in the logs.
+            relay(lambda line: None if interrupted else console.print(escape(line)))
+            watch.finish()
+            if live is not None:
+                live.stop()
+    if not live_mode:
+        console.print(render())
+    elapsed = time.monotonic() - started
+    if interrupted is not None:
+        errors.print(
+            f"interrupted ({interrupted}): every node was stopped; logs in "
+            f"{escape(str(workdir / 'logs'))}"
+        )
+        return 128 + interrupted.signum
+    if failed is not None:
+        tail = "\n".join(f"  {line}" for line in failed.tail) or "  (no output)"
+        errors.print(
+            f"[red]{escape(failed.learner)} failed (exit {failed.exit_code})"
+            f"{' after ' + str(failed.restarts) + ' restarts' if failed.restarts else ''}[/]; "
+            f"the last lines of {escape(str(failed.log))}:"
+        )
+        errors.print(escape(tail))
+        return 1
+    _summary(console, nodes, watch.view, url, elapsed)
+    return 0
+
+
+def urlsplit_scheme(url: str) -> str:
+    return url.partition("://")[0].lower() if "://" in url else ""
+
+
+def _status_line(title: str, view: RunView | None, rate: float | None) -> str:
+    if view is None or not view.exists:
+        return f"[{title}] waiting for the run to appear"
+    shown = "—" if rate is None else f"{rate / (view.fragments or 1):,.0f}"
+    return (
+        f"[{title}] rounds committed {view.rounds_committed}, live learners "
+        f"{view.live_learners}, samples/s {shown}"
+    )
+
+
+def _summary(
+    console: Console, nodes: Sequence[Node], view: RunView | None, url: str, elapsed: float
+) -> None:
+    rounds = 0 if view is None else view.rounds_committed
+    firsts = [n.first_loss for n in nodes if n.first_loss is not None]
+    lasts = [n.last_loss for n in nodes if n.last_loss is not None]
+    loss = ""
+    if firsts and lasts:
+        loss = f", mean loss {sum(firsts) / len(firsts):.4f} → {sum(lasts) / len(lasts):.4f}"
+    console.print(
+        f"\n[green]done[/] in {elapsed:.1f} s: {len(nodes)} nodes, {rounds} training rounds "
+        f"committed{loss}"
+    )
+    console.print("next:")
+    console.print(f"  gradientmail status {escape(_quoted(url))}")
+    console.print(f"  gradientmail verify {escape(_quoted(url))}")
+    console.print(f"  gradientmail align {escape(_quoted(url))} --out model.safetensors")
+
+
+def _quoted(url: str) -> str:
+    return f"'{url}'" if any(c in url for c in "?&; ") else url

@@ -1,0 +1,333 @@
+"""The ``gradientmail`` command on a run's mailbox: status, align, verify, sweep, rm, and the
+errors for bad URLs, unreachable stores, empty and foreign prefixes and bad spec files.
+
+Every command runs as a subprocess (``python -m gradientmail.cli``), against every store the
+``mailbox`` fixture provides that another process can open by URL (file://, and S3 when
+``GRADIENTMAIL_S3_ENDPOINT`` is set).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+import gradientmail as gm
+from gradientmail import protocol as p
+from gradientmail.cli.spec import load_spec
+from gradientmail.cli.tools import _ranges
+from tests.training import Learner, commits, make_model, run_learners
+
+TIMEOUT = 120
+
+
+def cli(
+    *args: str | Path, stdin: str | None = None, timeout: float = TIMEOUT, **env: str
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gradientmail.cli", *map(str, args)],
+        input=stdin if stdin is not None else "",
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=os.environ | {"COLUMNS": "160"} | env,
+    )
+
+
+def url_of(box: gm.Mailbox) -> str:
+    if isinstance(box, gm.FileMailbox | gm.S3Mailbox):
+        return box.url
+    kind = f"{type(box).__module__}.{type(box).__name__}"
+    pytest.skip(f"another process cannot open a {kind} by URL")
+
+
+def count(box: gm.Mailbox, prefix: str = "") -> int:
+    return len(asyncio.run(box.list(prefix)))
+
+
+def replace_object(box: gm.Mailbox, key: str, data: bytes) -> None:
+    asyncio.run(box.delete([key]))
+    assert asyncio.run(box.put_if_absent(key, data))
+
+
+def train_run(box: gm.Mailbox, steps: int = 30) -> list[p.Commit]:
+    """Two learners, two fragments; every object kept (keep_rounds 10,000)."""
+    learners = [Learner("alice", steps), Learner("bob", steps, seed=1)]
+    run_learners(learners, box, gm.DiLoCo(sync_every=5, fragments=2))
+    return commits(box)
+
+
+# -- one run, every command ------------------------------------------------------------------
+
+
+def test_status_align_verify_sweep_rm(mailbox: gm.Mailbox, tmp_path: Path) -> None:
+    url = url_of(mailbox)
+    history = train_run(mailbox)
+    training = [c for c in history if c.round >= 2]
+    assert len(training) >= 2
+
+    status = cli("status", url, "--json")
+    assert status.returncode == 0, status.stderr
+    view = json.loads(status.stdout)
+    assert view["exists"]
+    assert view["fragments"] == 2
+    assert view["creator"] in ("alice", "bob")
+    assert view["rounds_committed"] == len(training)
+    assert view["newest_round"] == max(c.round for c in history)
+    assert {v["learner"]: v["steps"] for v in view["learners"]} == {"alice": 30, "bob": 30}
+    table = cli("status", url)
+    assert table.returncode == 0, table.stderr
+    assert f"rounds committed {len(training)}" in table.stdout
+    assert "alice" in table.stdout
+    assert "bob" in table.stdout
+
+    target = tmp_path / "out" / "model.safetensors"
+    aligned = cli("align", url, "--out", target)
+    assert aligned.returncode == 0, aligned.stderr
+    from safetensors import safe_open
+
+    model = make_model()
+    rounds = gm.align(model, mailbox=mailbox)
+    with safe_open(str(target), framework="pt") as f:
+        assert sorted(f.keys()) == sorted(name for name, _ in model.named_parameters())
+        for name, param in model.named_parameters():
+            assert f.get_tensor(name).equal(param.detach()), name
+        metadata = f.metadata()
+    assert json.loads(metadata["gradientmail.rounds"]) == {str(k): v for k, v in rounds.items()}
+
+    # A commit whose parameters are not what its record implies (its base's, unchanged),
+    # on the newest round, so that no later commit inherits the mismatch.
+    victim = max(history, key=lambda c: c.round)
+    base = next(c for c in history if c.round == victim.base)
+    key = p.round_key(victim.round)
+    original = asyncio.run(mailbox.get(key))
+    assert original is not None
+    forged = replace(victim, params=base.params)
+    replace_object(mailbox, key, p.encode(forged))
+    tampered = cli("verify", url, "-v")  # every other commit checks out
+    assert tampered.returncode == 1
+    assert f"{len(history)} commits: {len(history) - 1} verified" in tampered.stdout
+    assert f"round {history[-2].round:6d}" in tampered.stdout
+    assert "1 mismatched" in tampered.stdout
+    assert f"MISMATCH round {victim.round}: {key}: its parameters" in tampered.stderr
+    replace_object(mailbox, key, original)
+
+    before = count(mailbox)
+    refused = cli("sweep", url, stdin="n\n")
+    assert refused.returncode == 1
+    assert "nothing deleted" in refused.stderr
+    assert count(mailbox) == before
+    swept = cli("sweep", url, "--yes")
+    assert swept.returncode == 0, swept.stderr
+    assert "snapshots" in swept.stdout
+    assert "payloads" in swept.stdout
+    assert count(mailbox) < before
+    assert count(mailbox, p.ROUNDS) == len(history)  # round records stay
+    after = cli("verify", url)
+    assert after.returncode == 0, after.stdout + after.stderr
+    # keep_rounds 2: each fragment's newest commit still has its base; older ones do not.
+    assert f"{len(history)} commits: 2 verified, {len(history) - 2} no longer verifiable" in (
+        after.stdout
+    )
+    assert "not verifiable (their inputs were swept): rounds 0–" in after.stdout
+
+    kept = cli("rm", url, stdin="\n")
+    assert kept.returncode == 1
+    assert f"Delete all {count(mailbox)} objects" in kept.stderr
+    removed = cli("rm", url, "--yes")
+    assert removed.returncode == 0, removed.stderr
+    assert count(mailbox) == 0
+    gone = cli("status", url)
+    assert gone.returncode == 1
+    assert "the prefix is empty" in gone.stderr
+
+
+# -- the errors ------------------------------------------------------------------------------
+
+
+def test_an_empty_prefix_is_no_run(mailbox: gm.Mailbox, tmp_path: Path) -> None:
+    url = url_of(mailbox)
+    for command in (["status"], ["verify"], ["align", "--out", str(tmp_path / "m")]):
+        done = cli(command[0], url, *command[1:])
+        assert done.returncode == 1, done.stderr
+        assert f"no run at {url}: the prefix is empty" in done.stderr
+    assert cli("rm", url, "--yes").stdout.startswith("nothing to delete")
+
+
+def test_status_watch_waits_for_a_run_and_follows_it(mailbox: gm.Mailbox) -> None:
+    url = url_of(mailbox)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gradientmail.cli",
+            "status",
+            url,
+            "--watch",
+            "--json",
+            "--interval",
+            "0.1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        first = json.loads(proc.stdout.readline())
+        assert first["exists"] is False  # an empty prefix: it waits for the run
+        claim = p.encode(p.CreatorClaim("carol"))
+        assert asyncio.run(mailbox.put_if_absent(p.CREATOR, claim))
+        deadline = time.monotonic() + TIMEOUT
+        while (view := json.loads(proc.stdout.readline()))["creator"] != "carol":
+            assert time.monotonic() < deadline
+        assert view["exists"] is True
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=TIMEOUT)
+        assert proc.returncode == 0, err
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_foreign_prefix_is_named(mailbox: gm.Mailbox) -> None:
+    url = url_of(mailbox)
+    asyncio.run(mailbox.put_if_absent("notes/readme.txt", b"not a run"))
+    done = cli("status", url)
+    assert done.returncode == 1
+    assert "is not a GradientMail run: 1 object (notes/readme.txt)" in done.stderr
+    refused = cli("rm", url, "--yes")
+    assert refused.returncode == 1
+    assert "add --force" in refused.stderr
+    assert count(mailbox) == 1
+    forced = cli("rm", url, "--yes", "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert count(mailbox) == 0
+    asyncio.run(mailbox.put_if_absent(p.MANIFEST, b"{not json"))
+    bad = cli("status", url)
+    assert bad.returncode == 1
+    assert "is not a GradientMail run: manifest.json: not valid JSON" in bad.stderr
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize(
+    ("url", "status", "message"),
+    [
+        ("runs/exp", 2, "'runs/exp' is not a mailbox URL"),
+        ("memory://run", 2, "a memory:// mailbox lives inside one process"),
+        ("ftp://host/run", 2, "unsupported scheme 'ftp'"),
+        ("s3://bucket/run?colour=blue", 2, "unknown option 'colour'"),
+        ("file:///nonexistent-gradientmail-dir", 1, "no such directory"),
+    ],
+)
+def test_bad_urls_are_named(url: str, status: int, message: str) -> None:
+    done = cli("status", url)
+    assert done.returncode == status, done.stderr
+    assert message in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_an_unreachable_store_fails_fast() -> None:
+    url = f"s3://bucket/run?endpoint=http://127.0.0.1:{_closed_port()}"
+    started = time.monotonic()
+    done = cli("status", url, AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="y", timeout=60)
+    assert done.returncode == 1
+    assert f"cannot reach the mailbox at {url}" in done.stderr
+    assert time.monotonic() - started < 30
+
+
+def test_a_directory_that_is_not_a_mailbox(tmp_path: Path) -> None:
+    (tmp_path / "photo.jpg").write_bytes(b"")
+    done = cli("verify", tmp_path.as_uri())
+    assert done.returncode == 1
+    assert "is not a GradientMail mailbox directory (no objects/ in it)" in done.stderr
+
+
+# -- the spec file ---------------------------------------------------------------------------
+
+RESOURCE = """\
+apiVersion: gradientmail.dev/v1alpha1
+kind: GradientMailRun
+metadata:
+  name: exp
+spec:
+  nodes: 2
+  algorithm:
+    syncEvery: {sync_every}
+    fragments: 2
+"""
+
+
+@pytest.mark.parametrize(
+    ("text", "flags", "message"),
+    [
+        (RESOURCE.format(sync_every=0), [], "run.yaml:8: spec.algorithm.syncEvery: Input should"),
+        (RESOURCE.format(sync_every=10) + "  colour: blue\n", [], "run.yaml:10: spec.colour: "),
+        (RESOURCE.format(sync_every=1), [], "run.yaml:7: spec.algorithm: algorithm.fragments"),
+        ("nodes: 2\nalgorithm: {steps: many}\n", [], "run.yaml:2: spec.algorithm.steps: Input"),
+        ("nodes: 2\n", ["--nodes", "0"], "--nodes: spec.nodes: Input should be greater"),
+        ("nodes: [1\n", [], "run.yaml:2: not valid YAML"),
+        ("kind: Pod\napiVersion: v1\n", [], "run.yaml:1: kind: expected 'GradientMailRun'"),
+        (
+            "nodes: 1\ntemplate:\n  env:\n  - {name: GRADIENTMAIL_NODES, value: '3'}\n",
+            [],
+            "run.yaml:3: spec.template.env: env GRADIENTMAIL_NODES",
+        ),
+        ("", [], "run.yaml: the file is empty"),
+    ],
+)
+def test_a_bad_spec_file_points_at_the_field(
+    tmp_path: Path, text: str, flags: list[str], message: str
+) -> None:
+    spec = tmp_path / "run.yaml"
+    spec.write_text(text)
+    done = cli("run", "-f", spec, *flags, "--workdir", tmp_path / "w")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert message in done.stderr.replace(str(tmp_path) + "/", "")
+    assert not (tmp_path / "w").exists()  # nothing started
+
+
+def test_flags_override_the_file_and_the_spec_alone_is_enough(tmp_path: Path) -> None:
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("nodes: 4\nalgorithm: {steps: 50, syncEvery: 10}\n")
+    loaded = load_spec(spec, {"steps": 70, "nodes": None}, default_mailbox="file:///x")
+    assert (loaded.spec.nodes, loaded.spec.algorithm.steps) == (4, 70)
+    assert loaded.spec.mailbox.url == "file:///x"
+    assert not loaded.has_mailbox
+    assert loaded.resource["kind"] == "GradientMailRun"
+    assert loaded.resource["metadata"] == {"name": "local"}
+
+
+def test_ranges() -> None:
+    assert _ranges([0, 1, 2, 5, 7, 8]) == "0–2, 5, 7–8"
+    assert _ranges([]) == ""
+
+
+def test_demo_still_runs() -> None:
+    done = cli("demo", "--nodes", "2", "--units", "4")
+    assert done.returncode == 0, done.stderr
+    assert "every unit claimed exactly once: True" in done.stdout
+
+
+def test_the_console_script() -> None:
+    script = Path(sys.executable).parent / "gradientmail"
+    if not script.exists():
+        pytest.skip("gradientmail is not installed as a console script here")
+    done = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0
+    for command in ("run", "status", "align", "verify", "sweep", "rm", "demo"):
+        assert command in done.stdout
