@@ -1,12 +1,14 @@
-"""Round-protocol benchmark: bytes, requests, commit latency and step() cost per learner,
-against references measured in the same run.
+"""Benchmark 3 — round cost per learner: bytes, requests and commit latency per committed
+round, against the byte lower bound and the raw transfer of the same bytes on the same store,
+measured in the same run.
 
 Several learners (threads of this process, each with its own model copy and its own
 ``gm.Session``) train a model of ``--params`` float32 parameters with a cheap fake step (a
 little noise added to every tensor, then a short sleep standing in for accelerator time), so
 the run is communication-bound. One mailbox per configuration: SeaweedFS (started fresh by
-this script, one prefix per configuration) or ``gm.FileMailbox`` in a temporary directory.
-After ``--warmup`` training rounds, ``--rounds`` committed rounds are measured.
+this benchmark, one prefix per configuration) or ``gm.FileMailbox`` in a temporary
+directory. After ``--warmup`` training rounds, ``--rounds`` committed rounds are measured
+(times the fragment count, at most 4x: a round of P fragments carries 1/P of the model).
 
 Measured, per learner and committed round (window deltas of ``session.counters()``):
 
@@ -21,227 +23,65 @@ Measured, per learner and committed round (window deltas of ``session.counters()
    fragment, calls that apply a commit, and plain calls, against a bare training step
    (forward + backward + SGD) of a 1M-parameter MLP at batch 32 on the CPU.
 
-A recording wrapper under each session's mailbox attributes every byte to what it carried
-(snapshot / params / momentum payloads, JSON records) and every round's latency to its
-phases (waiting for the other learners, close detection, closer work, syncer).
+A recording wrapper under each session's mailbox (``_recorder.py``) attributes every byte
+to what it carried (snapshot / params / momentum payloads, JSON records) and every round's
+latency to its phases (waiting for the other learners, close detection, closer work,
+syncer).
 
+Targets: <= 1.2x the byte lower bound, <= 2x the raw transfer time.
+
+    .venv/bin/python -m bench rounds [--quick | --large]
     .venv/bin/python bench/rounds.py [--backends seaweedfs,filesystem] [--learners 2,4]
-        [--fragments 1,4] [--params 10M] [--rounds 16] [--warmup 3] [--sync-every 8]
-        [--poll-interval 0.5] [--step-ms 5] [--max-seconds 100]
+        [--fragments 1,4] [--params 10M] [--rounds 8] [--warmup 2] [--sync-every 8]
+        [--poll-interval 0.5] [--step-ms 5] [--max-seconds 60]
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import itertools
-import json
 import math
 import os
 import shutil
-import statistics
 import sys
-import tempfile
 import threading
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
 import gradientmail as gm
+from bench import _harness as h
+from bench._recorder import Op, Recorder, Registry, purpose_of, round_of
+from bench._workload import BATCH, build_model, reference_step
 from gradientmail import events as ev
 from tests.support import s3servers
 
-MIB = 1024 * 1024
-BATCH = 32
-
-
-def _progress(message: str) -> None:
-    print(f"  .. {message}", file=sys.stderr, flush=True)
+NAME = "rounds"
+MIB = h.MIB
+_progress = h.progress
 
 
 def _median(values: Sequence[float]) -> float:
-    return statistics.median(values) if values else math.nan
+    return h.Stats.of(values).median
 
 
 def _mean(values: Sequence[float]) -> float:
-    return statistics.fmean(values) if values else math.nan
-
-
-def _parse_count(text: str) -> int:
-    text = text.strip().upper()
-    scale = {"K": 10**3, "M": 10**6, "G": 10**9}.get(text[-1:], 1)
-    number = text[:-1] if text[-1:] in "KMG" else text
-    return int(float(number) * scale)
+    return sum(values) / len(values) if values else math.nan
 
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
-
-
-# -- recording mailbox ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Op:
-    learner: str
-    thread: str  # "comm", "sync", or "main" (join / leave)
-    op: str  # put / get / list / delete
-    key: str
-    up: int
-    down: int
-    start: float
-    end: float
-    ok: bool | None = None  # put_if_absent's answer
-
-
-class Registry:
-    """What each blob key carried, learned from the records the learners wrote."""
-
-    def __init__(self) -> None:
-        self.purpose: dict[str, str] = {}
-        self.closer: dict[int, str] = {}  # round -> the learner whose record won
-        self.params_round: dict[str, int] = {}  # params blob -> its round
-        self.lock = threading.Lock()
-
-    def note_put(self, learner: str, key: str, data: bytes, created: bool) -> None:
-        if key.startswith("snapshots/"):
-            with contextlib.suppress(ValueError, KeyError):
-                with self.lock:
-                    self.purpose.setdefault(json.loads(data)["payload"], "snapshot")
-        elif key.startswith("rounds/") and created:
-            with contextlib.suppress(ValueError, KeyError):
-                record = json.loads(data)
-                with self.lock:
-                    self.purpose[record["params"]] = "params"
-                    self.params_round[record["params"]] = int(record["round"])
-                    if record.get("momentum"):
-                        self.purpose[record["momentum"]] = "momentum"
-                    self.closer[int(record["round"])] = learner
-
-
-class Recorder(gm.Mailbox):
-    """Passes every call to ``inner`` and logs it (thread, key, bytes, start and end)."""
-
-    def __init__(self, inner: gm.Mailbox, learner: str, log: list[Op], registry: Registry):
-        self.inner = inner
-        self.learner = learner
-        self.log = log
-        self.registry = registry
-
-    def _thread(self) -> str:
-        name = threading.current_thread().name  # the Session's loop threads are named
-        if name.startswith("gm-comm"):
-            return "comm"
-        return "sync" if name.startswith("gm-sync") else "main"
-
-    async def put_if_absent(self, key: str, data: bytes) -> bool:
-        thread, start = self._thread(), time.monotonic()
-        created = None
-        try:
-            created = await self.inner.put_if_absent(key, data)
-            return created
-        finally:
-            self.log.append(
-                Op(self.learner, thread, "put", key, len(data), 0, start, time.monotonic(), created)
-            )
-            if created is not None:
-                self.registry.note_put(self.learner, key, data, created)
-
-    async def get(self, key: str) -> bytes | None:
-        thread, start = self._thread(), time.monotonic()
-        data = None
-        try:
-            data = await self.inner.get(key)
-            return data
-        finally:
-            size = len(data or b"")
-            self.log.append(Op(self.learner, thread, "get", key, 0, size, start, time.monotonic()))
-
-    async def list(self, prefix: str, *, after: str = "") -> Sequence[str]:
-        thread, start = self._thread(), time.monotonic()
-        try:
-            return await self.inner.list(prefix, after=after)
-        finally:
-            self.log.append(Op(self.learner, thread, "list", prefix, 0, 0, start, time.monotonic()))
-
-    async def delete(self, keys: Iterable[str]) -> None:
-        keys = list(keys)
-        thread, start = self._thread(), time.monotonic()
-        try:
-            await self.inner.delete(keys)
-        finally:
-            first = keys[0] if keys else ""
-            self.log.append(
-                Op(self.learner, thread, "delete", first, 0, 0, start, time.monotonic())
-            )
-
-
-def _round_of(key: str) -> int | None:
-    parts = key.split("/")
-    if len(parts) >= 2 and parts[0] in ("rounds", "snapshots", "claims") and parts[1].isdigit():
-        return int(parts[1])
-    return None
-
-
-def purpose_of(op: Op, registry: Registry) -> str:
-    """What an operation carried, e.g. ``put snapshot`` or ``get params (closer)``."""
-    kind = op.key.partition("/")[0]
-    if kind == "blobs" and op.op in ("put", "get"):
-        what = registry.purpose.get(op.key, "blob?")
-        if op.op == "get" and what == "params":
-            r = registry.params_round.get(op.key)
-            closer = registry.closer.get(r) if r is not None else None
-            who = "by its closer" if closer == op.learner else op.thread
-            return f"get params ({who})"
-        return f"{op.op} {what}"
-    return f"{op.op} {kind} (records)"
-
-
-# -- models and steps ----------------------------------------------------------------------
-
-
-def build_model(params: int, fragments: int) -> torch.nn.Sequential:
-    """A stack of square Linear layers holding about ``params`` parameters."""
-    layers = max(8, fragments)  # two tensors per layer: enough for every fragment
-    width = max(16, round(math.sqrt(params / layers) / 16) * 16)
-    torch.manual_seed(0)
-    return torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(layers)))
-
-
-def reference_step(steps: int) -> list[float]:
-    """Seconds per bare training step of a ~1M-parameter MLP at batch 32 on the CPU."""
-    torch.manual_seed(1)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(512, 1024),
-        torch.nn.ReLU(),
-        torch.nn.Linear(1024, 512),
-        torch.nn.ReLU(),
-        torch.nn.Linear(512, 10),
-    )
-    assert 1_000_000 <= sum(p.numel() for p in model.parameters()) <= 1_100_000
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    x = torch.randn(BATCH, 512)
-    y = torch.randint(0, 10, (BATCH,))
-    times = []
-    for i in range(steps + 20):
-        start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        optimizer.step()
-        if i >= 20:
-            times.append(time.perf_counter() - start)
-    return times
 
 
 # -- targets -------------------------------------------------------------------------------
@@ -355,8 +195,20 @@ class Result:
 
 
 class Run:
-    def __init__(self, args: argparse.Namespace, target: Target, learners: int, fragments: int):
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        target: Target,
+        learners: int,
+        fragments: int,
+        params: int,
+    ):
         self.args = args
+        self.params = params
+        # Rounds of P fragments carry 1/P of the model each: measure P times as many (at most
+        # 4x), so every configuration moves about as many bytes and its window holds whole
+        # cycles of fragments.
+        self.rounds = args.rounds * min(fragments, 4)
         self.target = target
         self.n = learners
         self.p = fragments
@@ -414,7 +266,7 @@ class Run:
     def _execute(self, box: gm.Mailbox) -> Result:
         args = self.args
         name = f"{self.target.name} L={self.n} P={self.p}"
-        base = build_model(args.params, self.p)
+        base = build_model(self.params, self.p)
         total_params = sum(x.numel() for x in base.parameters())
         param_bytes = sum(x.numel() * x.element_size() for x in base.parameters())
         fragment_bytes = param_bytes / self.p
@@ -460,7 +312,7 @@ class Run:
         for thread in threads:
             thread.start()
 
-        warm_until = self.p - 1 + args.warmup
+        warm_until = self.p - 1 + args.warmup * self.p
         deadline = started + args.max_seconds
         t0 = r0 = None
         c0: list[ev.Counters] = []
@@ -474,7 +326,7 @@ class Run:
             if t0 is None and newest >= warm_until:
                 c0 = [x.session.counters() for x in learners]
                 t0, r0 = now, newest
-            if t0 is not None and r0 is not None and newest >= r0 + args.rounds:
+            if t0 is not None and r0 is not None and newest >= r0 + self.rounds:
                 break
             if now > deadline:
                 partial = True
@@ -484,7 +336,7 @@ class Run:
             if now - last_note > 5:
                 last_note = now
                 done = 0 if r0 is None else newest - r0
-                phase = "warm-up" if r0 is None else f"{done}/{args.rounds} measured"
+                phase = "warm-up" if r0 is None else f"{done}/{self.rounds} measured"
                 _progress(f"{name}: round {newest} ({phase}, {now - started:.0f} s)")
         c1 = [x.session.counters() for x in learners]
         t1 = time.monotonic()
@@ -615,7 +467,7 @@ class Run:
         params_get: dict[tuple[int, str], Op] = {}
         round_by_params = self.registry.params_round
         for op in self.log:
-            r = _round_of(op.key)
+            r = round_of(op.key)
             if op.op == "put" and op.key.startswith("snapshots/") and r is not None:
                 published[(r, op.learner)] = op.end
             elif op.op == "put" and op.key.startswith("claims/") and op.ok and r is not None:
@@ -646,7 +498,9 @@ class Run:
             if not mine or r not in claim or r not in record:
                 continue
             last = max(t for _, t in mine)
-            transfer = sum(o.end - o.start for o in closer_ops[r] if o.key.startswith("blobs/"))
+            transfer = _covered(
+                [(o.start, o.end) for o in closer_ops[r] if o.key.startswith("blobs/")]
+            )
             phases["close detection"].append(claim[r] - last)
             phases["closer: payload transfers"].append(transfer)
             phases["closer: other (records, combine, encode)"].append(
@@ -666,36 +520,19 @@ class Run:
         return dict(phases)
 
 
-# -- tables --------------------------------------------------------------------------------
+def _covered(intervals: list[tuple[float, float]]) -> float:
+    """Seconds covered by the union of ``intervals`` (overlapping transfers count once)."""
+    total = 0.0
+    end = -math.inf
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
 
 
-def _size(n: float) -> str:
-    if n >= 1024 * MIB:
-        return f"{n / 1024 / MIB:.2f} GiB"
-    if n >= MIB:
-        return f"{n / MIB:.1f} MiB"
-    return f"{n / 1024:.1f} KiB"
-
-
-def _secs(s: float) -> str:
-    if math.isnan(s):
-        return "-"
-    if s < 1e-3:
-        return f"{s * 1e6:.0f} us"
-    if s < 1:
-        return f"{s * 1e3:.1f} ms"
-    return f"{s:.2f} s"
-
-
-def _table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> None:
-    rows = [list(r) for r in rows]
-    widths = [
-        max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)
-    ]
-    print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |")
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for row in rows:
-        print("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |")
+# -- the report ------------------------------------------------------------------------------
 
 
 def _purpose_order(label: str) -> tuple[int, str]:
@@ -707,220 +544,285 @@ def _purpose_order(label: str) -> tuple[int, str]:
 
 
 def _config(r: Result) -> str:
-    return f"{r.backend} L={r.learners} P={r.fragments}"
+    return f"{r.backend} L={r.learners} P={r.fragments} {r.params / 1e6:.0f}M"
 
 
 CLOSER_WORK = ("put params", "put momentum", "get snapshot", "get momentum", "get params (by")
 CONTRIBUTOR_WORK = ("put snapshot", "get params (sync)")
+PHASES = [
+    "wait for other learners",
+    "close detection",
+    "closer: payload transfers",
+    "closer: other (records, combine, encode)",
+    "syncer: sees the record",
+    "syncer: params download",
+    "record -> applied",
+]
 
 
-def print_report(results: list[Result], args: argparse.Namespace) -> None:
-    print()
-    print(
-        f"## Round protocol, per learner per committed round ({args.params / 1e6:.0f}M float32 "
-        f"params, sync_every={args.sync_every}, poll_interval={args.poll_interval} s, fake "
-        f"step {args.step_ms:g} ms)"
+def star_floor(learners: int) -> float:
+    """Bytes per learner per round, in fragments, of a round closed by one learner with no
+    momentum blob: each uploads its snapshot; the closer downloads the L-1 others and uploads
+    the result; the L-1 others download it: (L + 1 + 2(L-1)) / L = 3 - 1/L."""
+    return 3 - 1 / learners
+
+
+def build_report(results: list[Result], args: argparse.Namespace) -> h.Report:
+    report = h.Report(
+        NAME,
+        "3. Round cost per learner: bytes, requests, commit latency",
+        "the byte lower bound (one fragment up + one down per learner per round) and a raw "
+        "put + get of one fragment on the same store, measured in this run",
     )
-    print()
-    header = [
-        "backend",
-        "learners",
-        "fragments",
-        "params",
-        "rounds",
-        "up+down / learner / round",
-        "lower bound",
-        "ratio (<= 1.2)",
-        "requests / round",
-        "commit latency (median)",
-        "raw put+get",
-        "ratio (< 2)",
-        "closes / round",
-    ]
-    rows = []
+    table = report.table(
+        f"Per learner per committed round (sync_every={args.sync_every}, poll_interval="
+        f"{args.poll_interval} s, fake step {args.step_ms:g} ms)",
+        [
+            "backend",
+            "L",
+            "P",
+            "params",
+            "rounds",
+            "up+down / learner / round",
+            "lower bound",
+            "ratio (<= 1.2)",
+            "floor of 1 closer",
+            "requests / round",
+            "commit latency (median)",
+            "raw put+get",
+            "ratio (<= 2)",
+            "closes / round",
+        ],
+        note=(
+            "Lower bound: one fragment up + one down (fragment = parameter bytes / fragments). "
+            "Floor of 1 closer: what any protocol in which one learner downloads the others' "
+            "snapshots and uploads the result moves, averaged over learners, without a "
+            "momentum blob: (3 - 1/L)/2 x the bound. Raw put+get: one fragment, boto3 "
+            "put_object + get_object (SeaweedFS) or write + fsync + read (filesystem), median "
+            "of --reps. `closes / round`: puts of the `rounds/` record per committed round."
+            + (
+                f" `*`: stopped at --max-seconds={args.max_seconds:g} before --rounds."
+                if any(r.partial for r in results)
+                else ""
+            )
+        ),
+    )
+    rows_json = []
     for r in results:
         bound = 2 * r.fragment_bytes
         lag = _median(r.lag)
-        mark = "*" if r.partial else ""
-        rows.append(
-            [
-                r.backend,
-                str(r.learners),
-                str(r.fragments),
-                f"{r.params / 1e6:.1f}M",
-                f"{r.rounds}{mark}",
-                _size(r.up_down),
-                _size(bound),
-                f"{r.up_down / bound:.2f}x",
-                f"{r.requests:.1f}",
-                _secs(lag),
-                _secs(r.raw),
-                f"{lag / r.raw:.1f}x",
-                f"{r.closes:.2f}",
-            ]
+        table.add(
+            r.backend,
+            r.learners,
+            r.fragments,
+            f"{r.params / 1e6:.1f}M",
+            f"{r.rounds}{'*' if r.partial else ''}",
+            h.size(r.up_down),
+            h.size(bound),
+            h.ratio(r.up_down, bound),
+            f"{star_floor(r.learners) / 2:.2f}x",
+            f"{r.requests:.1f}",
+            h.secs(lag),
+            h.secs(r.raw),
+            h.ratio(lag, r.raw, 1),
+            f"{r.closes:.2f}",
         )
-    _table(header, rows)
-    print()
-    print(
-        "Lower bound: one fragment up + one down (fragment = parameter bytes / fragments). "
-        "Raw put+get: one fragment, boto3 put_object + get_object (SeaweedFS) or write + fsync "
-        "+ read (filesystem), median of --reps. `closes / round`: puts of the `rounds/` "
-        "record per committed round (1.00 when each round is closed once)."
-    )
-    if any(r.partial for r in results):
-        print(f"`*`: stopped at --max-seconds={args.max_seconds:g} before --rounds were measured.")
+        rows_json.append(
+            {
+                "config": _config(r),
+                "backend": r.backend,
+                "learners": r.learners,
+                "fragments": r.fragments,
+                "params": r.params,
+                "rounds": r.rounds,
+                "partial": r.partial,
+                "bytes_per_learner_round": r.up_down,
+                "bytes_ratio": r.up_down / bound,
+                "requests_per_learner_round": r.requests,
+                "latency_median_s": lag,
+                "latency_s": h.Stats.of(r.lag).__dict__,
+                "raw_put_get_s": r.raw,
+                "latency_ratio": lag / r.raw,
+                "closes_per_round": r.closes,
+                "bytes_by_purpose": r.purposes,
+                "requests_by": r.requests_by,
+                "phases_median_s": {k: _median(v) for k, v in r.phases.items()},
+                "step_s": {k: h.Stats.of(v).__dict__ for k, v in r.steps.items()},
+                "skipped_syncs": r.skipped,
+                "errors": r.errors,
+            }
+        )
 
     pooled = [t for r in results for t in r.ref_step]
     ref = _median(pooled)
-    print()
-    print(
-        f"## step() on the training thread, against a bare training step of a 1M-param MLP "
-        f"(forward + backward + SGD, batch {BATCH}, CPU): median {_secs(ref)} over all "
-        f"{len(pooled)} reference steps of the run"
+    table = report.table(
+        f"step() on the training thread (fake training), against a bare step of the 1M-param "
+        f"MLP (batch {BATCH}, CPU): median {h.secs(ref)} over {len(pooled)} steps",
+        [
+            "config",
+            "snapshot calls (n, median)",
+            "apply calls (n, median)",
+            "plain calls (n, median)",
+            "mean, all calls",
+            "vs bare step",
+        ],
+        note=(
+            "Learners are threads of one process here, so calls also wait for the GIL; "
+            "benchmark 4 measures step() in processes of their own."
+        ),
     )
-    print()
-    header = [
-        "backend",
-        "L",
-        "P",
-        "ref step here (median)",
-        "snapshot calls (n, median, mean)",
-        "apply calls (n, median, mean)",
-        "plain calls (n, median, mean)",
-        "mean, all calls",
-        "overhead (< 1%)",
-        f"projected mean if every due step syncs (sync_every={args.sync_every})",
-        "overhead",
-    ]
-    rows = []
     for r in results:
-        cells = []
-        for kind in ("snapshot", "apply", "plain"):
-            values = r.steps.get(kind, [])
-            cells.append(f"{len(values)}, {_secs(_median(values))}, {_secs(_mean(values))}")
+        cells = [
+            f"{len(r.steps.get(k, []))}, {h.secs(_median(r.steps.get(k, [])))}"
+            for k in ("snapshot", "apply", "plain")
+        ]
         every = [v for values in r.steps.values() for v in values]
-        mean_all = _mean(every)
-        # No skipped syncs: per sync_every steps, P snapshot calls and P apply calls.
-        plain = _mean(r.steps.get("plain", []))
-        snap = _mean(r.steps.get("snapshot", []))
-        apply = _mean(r.steps["apply"]) if r.steps.get("apply") else plain
-        ideal = plain + r.fragments * (snap - plain + max(apply - plain, 0.0)) / args.sync_every
-        rows.append(
-            [
-                r.backend,
-                str(r.learners),
-                str(r.fragments),
-                _secs(_median(r.ref_step)),
-                *cells,
-                _secs(mean_all),
-                f"{100 * mean_all / ref:.1f}%",
-                _secs(ideal),
-                f"{100 * ideal / ref:.1f}%",
-            ]
-        )
-    _table(header, rows)
-    print()
-    print(
-        "snapshot: the call copied a due fragment for the communication thread (it may also "
-        "have applied a commit); apply: it applied a staged commit (rebase) and copied "
-        "nothing; plain: neither. Overheads are against the run's pooled reference median "
-        "(the reference is measured before each configuration; other load on the machine "
-        "moves it, see the per-configuration column). In this communication-bound run most "
-        "due steps find their fragment still in flight and skip, so the measured mean is "
-        "low; the projection assumes every due step syncs."
-    )
+        table.add(_config(r), *cells, h.secs(_mean(every)), h.pct(_mean(every), ref))
 
-    print()
-    print(
-        "## Where the bytes go: per learner per committed round, in fragments "
-        "(lower bound: 1.00 up + 1.00 down = 2.00)"
-    )
-    print()
     labels = sorted({k for r in results for k in r.purposes}, key=_purpose_order)
-    header = ["what (direction)", *(_config(r) for r in results)]
-    rows = []
+    table = report.table(
+        "Where the bytes go: per learner per committed round, in fragments "
+        "(lower bound: 1.00 up + 1.00 down = 2.00)",
+        ["what (direction)", *(_config(r) for r in results)],
+        note=(
+            "snapshot blobs: each learner's contribution (up) and the closer reading the "
+            "others' (down). params / momentum blobs: the closer's commit (up); read back by "
+            "the other learners' syncers (`get params (sync)`), by a closer for its own round "
+            "(`by its closer`), and momentum by a closer whose cache does not hold the base "
+            "round's momentum."
+        ),
+    )
     for label in labels:
         if all(r.purposes.get(label, 0.0) / r.fragment_bytes < 0.005 for r in results):
             continue
-        rows.append(
-            [label, *(f"{r.purposes.get(label, 0.0) / r.fragment_bytes:.2f}" for r in results)]
-        )
+        table.add(label, *(f"{r.purposes.get(label, 0.0) / r.fragment_bytes:.2f}" for r in results))
     small = [
         sum(v for k, v in r.purposes.items() if "(records)" in k) / r.fragment_bytes
         for r in results
     ]
-    rows.append(["JSON records, all kinds", *(f"{v:.3f}" for v in small)])
+    table.add("JSON records, all kinds", *(f"{v:.3f}" for v in small))
 
     def role(r: Result, prefixes: Sequence[str]) -> float:
         picked = sum(v for k, v in r.purposes.items() if k.startswith(tuple(prefixes)))
         return picked / r.fragment_bytes
 
-    rows.append(["= closer's work", *(f"{role(r, CLOSER_WORK):.2f}" for r in results)])
-    rows.append(
-        ["= every contributor's work", *(f"{role(r, CONTRIBUTOR_WORK):.2f}" for r in results)]
-    )
-    rows.append(["total", *(f"{sum(r.purposes.values()) / r.fragment_bytes:.2f}" for r in results)])
-    rows.append(
-        [
-            "(recorder / counters)",
-            *(f"{r.recorder_total / max(r.counters_total, 1):.3f}" for r in results),
-        ]
-    )
-    _table(header, rows)
-    print()
-    print(
-        "snapshot blobs: each learner's contribution (up) and the closer reading the others' "
-        "(down). params / momentum blobs: the closer's commit (up); read back by the other "
-        "learners' syncers (`get params (sync)`), by a closer for its own round "
-        "(`by its closer`), and momentum by a closer whose cache does not hold the base "
-        "round's momentum. Per learner per round = bytes over the window / (rounds x learners)."
+    table.add("= closer's work", *(f"{role(r, CLOSER_WORK):.2f}" for r in results))
+    table.add("= every contributor's work", *(f"{role(r, CONTRIBUTOR_WORK):.2f}" for r in results))
+    table.add("total", *(f"{sum(r.purposes.values()) / r.fragment_bytes:.2f}" for r in results))
+    table.add(
+        "(recorder / counters)",
+        *(f"{r.recorder_total / max(r.counters_total, 1):.3f}" for r in results),
     )
 
-    print()
-    print("## Requests per learner per committed round, by operation and key kind")
-    print()
     kinds = sorted({k for r in results for k in r.requests_by})
-    header = ["request", *(_config(r) for r in results)]
-    rows = [[k, *(f"{r.requests_by.get(k, 0):.2f}" for r in results)] for k in kinds]
-    rows.append(["total", *(f"{r.requests:.1f}" for r in results)])
-    _table(header, rows)
-
-    print()
-    print("## Commit latency by phase (medians over (round, contributor) pairs)")
-    print()
-    names = [
-        "wait for other learners",
-        "close detection",
-        "closer: payload transfers",
-        "closer: other (records, combine, encode)",
-        "syncer: sees the record",
-        "syncer: params download",
-        "record -> applied",
-    ]
-    header = ["phase", *(_config(r) for r in results)]
-    rows = [["commit latency (Applied.lag_s)", *(_secs(_median(r.lag)) for r in results)]]
-    rows += [[n, *(_secs(_median(r.phases.get(n, []))) for r in results)] for n in names]
-    rows.append(["raw put+get of one fragment", *(_secs(r.raw) for r in results)])
-    _table(header, rows)
-    print()
-    print(
-        "From this learner's snapshot record (Published) on: until the last contributor's "
-        "snapshot record; until the closer's claim; the closer's blob gets/puts, then the rest "
-        "until its `rounds/` record is written; until each syncer reads that record; its "
-        "params download (non-closers); until the training thread applied the commit."
+    table = report.table(
+        "Requests per learner per committed round, by operation and key kind",
+        ["request", *(_config(r) for r in results)],
     )
-    print()
+    for k in kinds:
+        table.add(k, *(f"{r.requests_by.get(k, 0):.2f}" for r in results))
+    table.add("total", *(f"{r.requests:.1f}" for r in results))
+
+    table = report.table(
+        "Commit latency by phase (medians over (round, contributor) pairs)",
+        ["phase", *(_config(r) for r in results)],
+        note=(
+            "From this learner's snapshot record (Published) on: until the last contributor's "
+            "snapshot record; until the closer's claim; the closer's blob gets/puts, then the "
+            "rest until its `rounds/` record is written; until each syncer reads that record; "
+            "its params download (non-closers); until the training thread applied the commit."
+        ),
+    )
+    table.add("commit latency (Applied.lag_s)", *(h.secs(_median(r.lag)) for r in results))
+    for name in PHASES:
+        table.add(name, *(h.secs(_median(r.phases.get(name, []))) for r in results))
+    table.add("raw put+get of one fragment", *(h.secs(r.raw) for r in results))
+
     for r in results:
-        print(
-            f"- {_config(r)}: {r.rounds} rounds in {r.seconds:.1f} s "
+        report.notes.append(
+            f"{_config(r)}: {r.rounds} rounds in {r.seconds:.1f} s "
             f"({r.seconds / r.rounds:.2f} s/round), {r.skipped} due syncs skipped "
             "(fragment still in flight)"
         )
         for error in r.errors:
-            print(f"- ERROR {_config(r)}: {error}")
+            report.notes.append(f"ERROR {_config(r)}: {error}")
+
+    for backend in dict.fromkeys(r.backend for r in results):
+        mine = [r for r in results if r.backend == backend]
+        worst_bytes = max(mine, key=lambda r: r.up_down / (2 * r.fragment_bytes))
+        b_ratio = worst_bytes.up_down / (2 * worst_bytes.fragment_bytes)
+        best_floor = min(star_floor(r.learners) / 2 for r in mine)
+        report.target(
+            f"bytes per learner per round vs the lower bound, {backend}",
+            f"{b_ratio:.2f}x at worst ({_config(worst_bytes)}); best "
+            f"{min(r.up_down / (2 * r.fragment_bytes) for r in mine):.2f}x",
+            "<= 1.2x",
+            b_ratio <= 1.2,
+            (
+                "Averaged over learners, a round closed by one learner cannot go below "
+                f"(3 - 1/L)/2 x the bound ({best_floor:.2f}x at L={min(r.learners for r in mine)}"
+                "): the closer downloads L-1 snapshots and uploads the result, the others "
+                "download it. On top: the momentum blob (1/L fragment up per learner) and "
+                "momentum downloads by a closer whose cache misses (see the bytes table). A "
+                "contributor that does not close moves exactly the bound (1 up, 1 down)"
+            ),
+        )
+        worst_lag = max(mine, key=lambda r: _median(r.lag) / r.raw)
+        l_ratio = _median(worst_lag.lag) / worst_lag.raw
+        sees = [_median(r.phases.get("syncer: sees the record", [])) for r in mine]
+        report.target(
+            f"commit latency vs raw put+get of one fragment, {backend}",
+            f"{l_ratio:.1f}x at worst ({_config(worst_lag)}: {h.secs(_median(worst_lag.lag))} "
+            f"vs {h.secs(worst_lag.raw)}); best "
+            f"{min(_median(r.lag) / r.raw for r in mine):.1f}x",
+            "<= 2x",
+            l_ratio <= 2,
+            (
+                "See the phase table: the syncer learns of a commit by polling every "
+                f"poll_interval={args.poll_interval} s (median wait until it sees the record: "
+                f"{h.secs(_median(sees))}), and the closer downloads, combines, encodes and "
+                "uploads (params and momentum) one after another"
+            ),
+        )
+    report.data = {"args": vars(args), "configs": rows_json}
+    return report
 
 
-# -- main ----------------------------------------------------------------------------------
+# -- running ---------------------------------------------------------------------------------
+
+
+def defaults(ctx: h.Context) -> argparse.Namespace:
+    """The preset's arguments (``--quick``: one learner count, fewer rounds)."""
+    return argparse.Namespace(
+        backends=["seaweedfs", "filesystem"],
+        learners=ctx.pick([2, 4], [2], [2, 4, 8]),
+        fragments=[1, 4],
+        params=ctx.pick([10_000_000], [10_000_000], [10_000_000, 100_000_000]),
+        rounds=ctx.pick(8, 4, 12),
+        warmup=ctx.pick(2, 1, 3),
+        sync_every=8,
+        poll_interval=0.5,
+        step_ms=5.0,
+        reps=ctx.pick(5, 3),
+        ref_steps=ctx.pick(100, 50),
+        max_seconds=ctx.pick(60.0, 30.0, 150.0),
+    )
+
+
+def run(ctx: h.Context) -> h.Report:
+    args = ctx.options.get(NAME, {}).get("args") or defaults(ctx)
+    results: list[Result] = []
+    workdir = ctx.workdir / f"rounds-{uuid.uuid4().hex[:6]}"
+    workdir.mkdir(parents=True)
+    for backend in args.backends:
+        opener: Any = seaweedfs_target(workdir) if backend == "seaweedfs" else file_target(workdir)
+        with opener as target:
+            for params, learners, fragments in itertools.product(
+                args.params, args.learners, args.fragments
+            ):
+                results.append(Run(args, target, learners, fragments, params).execute())
+
+    return build_report(results, args)
 
 
 def main() -> int:
@@ -928,38 +830,31 @@ def main() -> int:
     parser.add_argument("--backends", default="seaweedfs,filesystem")
     parser.add_argument("--learners", default="2,4", help="comma-separated learner counts")
     parser.add_argument("--fragments", default="1,4", help="comma-separated fragment counts")
-    parser.add_argument("--params", default="10M", help="model size, e.g. 10M or 100M")
-    parser.add_argument("--rounds", type=int, default=16, help="committed rounds measured")
-    parser.add_argument("--warmup", type=int, default=3, help="training rounds before measuring")
+    parser.add_argument("--params", default="10M", help="model sizes, e.g. 10M,100M")
+    parser.add_argument("--rounds", type=int, default=8, help="committed rounds measured")
+    parser.add_argument("--warmup", type=int, default=2, help="training rounds before measuring")
     parser.add_argument("--sync-every", type=int, default=8)
     parser.add_argument("--poll-interval", type=float, default=0.5, help="Session default: 0.5")
     parser.add_argument("--step-ms", type=float, default=5.0, help="sleep per fake step")
     parser.add_argument("--reps", type=int, default=5, help="raw put+get repetitions")
-    parser.add_argument("--ref-steps", type=int, default=200, help="reference training steps")
+    parser.add_argument("--ref-steps", type=int, default=100, help="reference training steps")
     parser.add_argument(
-        "--max-seconds", type=float, default=100.0, help="per configuration, then report partial"
+        "--max-seconds", type=float, default=60.0, help="per configuration, then report partial"
     )
+    parser.add_argument("--json", type=Path, default=None, help="also write the JSON record")
     args = parser.parse_args()
-    args.params = _parse_count(args.params)
-    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    unknown = set(backends) - {"seaweedfs", "filesystem"}
+    args.params = [h.count(x) for x in args.params.split(",") if x.strip()]
+    args.learners = _ints(args.learners)
+    args.fragments = _ints(args.fragments)
+    args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    unknown = set(args.backends) - {"seaweedfs", "filesystem"}
     if unknown:
         parser.error(f"unknown backends: {sorted(unknown)}")
+    json_path = args.json
+    del args.json
+    from bench.__main__ import run_suite
 
-    results: list[Result] = []
-    with tempfile.TemporaryDirectory(prefix="gm-rounds-") as tmp:
-        workdir = Path(tmp)
-        for backend in backends:
-            opener: Any = (
-                seaweedfs_target(workdir) if backend == "seaweedfs" else file_target(workdir)
-            )
-            with opener as target:
-                for learners, fragments in itertools.product(
-                    _ints(args.learners), _ints(args.fragments)
-                ):
-                    results.append(Run(args, target, learners, fragments).execute())
-    print_report(results, args)
-    return 0
+    return run_suite([NAME], options={NAME: {"args": args}}, json_path=json_path)
 
 
 if __name__ == "__main__":
