@@ -8,7 +8,7 @@ little noise added to every tensor, then a short sleep standing in for accelerat
 the run is communication-bound. One mailbox per configuration: SeaweedFS (started fresh by
 this benchmark, one prefix per configuration) or ``gm.FileMailbox`` in a temporary
 directory. After ``--warmup`` training rounds, ``--rounds`` committed rounds are measured
-(times the fragment count, at most 4x: a round of P fragments carries 1/P of the model).
+(twice as many with P > 1 fragments: a round of P fragments carries 1/P of the model).
 
 Measured, per learner and committed round (window deltas of ``session.counters()``):
 
@@ -205,10 +205,9 @@ class Run:
     ):
         self.args = args
         self.params = params
-        # Rounds of P fragments carry 1/P of the model each: measure P times as many (at most
-        # 4x), so every configuration moves about as many bytes and its window holds whole
-        # cycles of fragments.
-        self.rounds = args.rounds * min(fragments, 4)
+        # Rounds of P fragments carry 1/P of the model each: measure more of them (twice as
+        # many when P > 1), so the window holds whole cycles of fragments.
+        self.rounds = args.rounds * min(fragments, 2)
         self.target = target
         self.n = learners
         self.p = fragments
@@ -798,14 +797,14 @@ def defaults(ctx: h.Context) -> argparse.Namespace:
         learners=ctx.pick([2, 4], [2], [2, 4, 8]),
         fragments=[1, 4],
         params=ctx.pick([10_000_000], [10_000_000], [10_000_000, 100_000_000]),
-        rounds=ctx.pick(8, 4, 12),
+        rounds=ctx.pick(8, 3, 12),
         warmup=ctx.pick(2, 1, 3),
         sync_every=8,
         poll_interval=0.5,
         step_ms=5.0,
         reps=ctx.pick(5, 3),
         ref_steps=ctx.pick(100, 50),
-        max_seconds=ctx.pick(60.0, 30.0, 150.0),
+        max_seconds=ctx.pick(60.0, 20.0, 150.0),
     )
 
 

@@ -1,0 +1,285 @@
+"""Two learner processes in one run, for benchmarks 4 (training-thread cost) and 5 (time to
+a synchronized model). Each is a spawned process with its own ``gm.Session`` on a mailbox
+shared only through the store (a directory, or a SeaweedFS bucket started for the run).
+
+Two modes:
+
+- ``sync``: a model of ``params`` float32 parameters in one fragment; before each round
+  both processes perturb their parameters, meet at a barrier, and make the due ``step()``
+  call together (it copies the fragment out); then each keeps calling ``step()`` between
+  1 ms sleeps (standing in for training) until the commit is applied, and moves on to the
+  next due step with cheap plain calls (``sync_every`` is large so no due step comes while
+  a round is in flight). Recorded per round and process: when the due call began, how long
+  it held the thread, when ``Published`` fired (the snapshot is in the store), when the
+  call that applied the commit began and how long it took.
+- ``train``: the 1M-parameter MLP trained for real (forward + backward + SGD, batch 32)
+  with ``DiLoCo()`` defaults (sync_every=100, one fragment); every ``step()`` call and every
+  training step is timed, after bare training steps measured in the same process before it
+  joins.
+
+``time.monotonic`` is one clock for all processes of a machine, so the parent can line the
+two processes' timestamps up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import statistics
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import gradientmail as gm
+from bench import _harness as h
+from bench._workload import MlpTrainer, build_model, mlp_1m, reference_step
+from gradientmail import events as ev
+from tests.support import s3servers
+
+
+@dataclass(frozen=True)
+class Config:
+    mode: str  # "sync" or "train"
+    params: int = 10_000_000
+    rounds: int = 8
+    warmup: int = 2
+    steps: int = 3000  # train mode
+    poll_interval: float = 0.5
+    timeout: float = 60.0
+    threads: int = 1  # torch intra-op threads per process
+
+
+def _learner(index: int, box: gm.Mailbox, config: Config, barrier: Any, queue: Any) -> None:
+    try:
+        queue.put(_learn(index, box, config, barrier))
+    except BaseException as exc:
+        queue.put({"index": index, "error": f"{type(exc).__name__}: {exc}"})
+        with contextlib.suppress(Exception):
+            barrier.abort()
+        raise
+
+
+def _learn(index: int, box: gm.Mailbox, config: Config, barrier: Any) -> dict[str, Any]:
+    events: list[tuple[float, ev.Event]] = []
+    lock = threading.Lock()
+
+    def on_event(event: ev.Event) -> None:
+        with lock:
+            events.append((time.monotonic(), event))
+
+    # Two learner processes share the machine's cores: one intra-op thread each (OpenMP
+    # threads of two processes spinning on two cores slow both down by an order of magnitude).
+    torch.set_num_threads(config.threads)
+    bare: list[float] = []
+    if config.mode == "train":
+        barrier.wait(timeout=120)  # both measure their bare steps at the same time
+        bare = reference_step(200)
+        model = mlp_1m()
+        algorithm = gm.DiLoCo()  # the defaults: sync_every=100, one fragment
+    else:
+        model = build_model(config.params)
+        algorithm = gm.DiLoCo(sync_every=20_000, fragments=1)
+    session = gm.Session(
+        model,
+        algorithm=algorithm,
+        mailbox=box,
+        learner_id=f"proc-{index}",
+        poll_interval=config.poll_interval,
+        on_event=on_event,
+    )
+    result: dict[str, Any] = {"index": index, "bare_step_s": bare}
+    barrier.wait(timeout=120)  # both joined
+    try:
+        if config.mode == "train":
+            result |= _train(session, model, config)
+        else:
+            result |= _sync_rounds(index, session, config, barrier)
+    finally:
+        session.close(timeout=60)
+    with lock:
+        result["published"] = {e.round: t for t, e in events if isinstance(e, ev.Published)}
+        result["committed"] = {
+            e.round: t for t, e in events if isinstance(e, ev.Committed) and not e.adopted
+        }
+        result["applied"] = {
+            e.round: (t, e.contributed) for t, e in events if isinstance(e, ev.Applied)
+        }
+        result["failures"] = [
+            repr(e)
+            for _, e in events
+            if isinstance(e, ev.PollFailed | ev.PublishFailed | ev.RoundFailed)
+        ]
+    counters = session.counters()
+    result["skipped_syncs"] = counters.skipped_syncs
+    result["requests"] = sum(counters.requests.values())
+    return result
+
+
+def _sync_rounds(index: int, session: gm.Session, config: Config, barrier: Any) -> dict[str, Any]:
+    params = list(session.model.parameters())
+    noise = torch.randn(4096, generator=torch.Generator().manual_seed(index)) * 1e-4
+    due = session.algorithm.sync_every
+    rounds = []
+    plain: list[float] = []
+    for _ in range(config.warmup + config.rounds):
+        # Plain calls up to the step before the next due one (cheap, no sleep).
+        while (session.steps + 1) % due:
+            t = time.perf_counter()
+            session.step()
+            plain.append(time.perf_counter() - t)
+        with torch.no_grad():  # local progress, different on each learner
+            for p in params:
+                flat = p.view(-1)
+                n = min(flat.numel(), noise.numel())
+                flat[:n].add_(noise[:n])
+        before = session.rounds
+        barrier.wait(timeout=120)
+        due_at = time.monotonic()
+        t = time.perf_counter()
+        session.step()
+        snapshot_s = time.perf_counter() - t
+        deadline = time.monotonic() + config.timeout
+        apply_at = apply_s = float("nan")
+        while time.monotonic() < deadline:
+            time.sleep(0.001)  # "training"
+            at = time.monotonic()
+            t = time.perf_counter()
+            session.step()
+            took = time.perf_counter() - t
+            if session.rounds != before:
+                apply_at, apply_s = at, took
+                break
+            plain.append(took)
+        rounds.append(
+            {
+                "round": session.rounds[0],
+                "due_at": due_at,
+                "snapshot_s": snapshot_s,
+                "apply_at": apply_at,
+                "apply_s": apply_s,
+            }
+        )
+    return {"rounds": rounds, "plain_s": plain}
+
+
+def _train(session: gm.Session, model: torch.nn.Module, config: Config) -> dict[str, Any]:
+    trainer = MlpTrainer(model)
+    train_s: list[float] = []
+    calls: list[tuple[str, float]] = []
+    for _ in range(config.steps):
+        before_rounds, before_skipped = session.rounds, session.counters().skipped_syncs
+        t = time.perf_counter()
+        trainer.step()
+        t1 = time.perf_counter()
+        session.step(samples=32)
+        t2 = time.perf_counter()
+        due = session.algorithm.due_fragment(session.steps) is not None
+        skipped = session.counters().skipped_syncs != before_skipped
+        if due and not skipped:
+            kind = "snapshot"
+        else:
+            kind = "apply" if session.rounds != before_rounds else "plain"
+        train_s.append(t1 - t)
+        calls.append((kind, t2 - t1))
+    return {"train_s": train_s, "calls": calls}
+
+
+# -- the parent side -------------------------------------------------------------------------
+
+
+@contextmanager
+def mailbox_for(backend: str, workdir: Path) -> Iterator[gm.Mailbox]:
+    if backend == "filesystem":
+        yield gm.FileMailbox(workdir / f"twoproc-{uuid.uuid4().hex[:6]}")
+        return
+    with s3servers.seaweedfs(workdir / f"seaweedfs-{uuid.uuid4().hex[:6]}") as server:
+        yield gm.S3Mailbox(
+            server.bucket,
+            f"twoproc-{uuid.uuid4().hex[:6]}",
+            endpoint_url=server.endpoint_url,
+            aws_access_key_id=server.access_key,
+            aws_secret_access_key=server.secret_key,
+        )
+
+
+def run(ctx: h.Context, backend: str, config: Config) -> dict[str, Any]:
+    """Run (or reuse from ``ctx.cache``) two learner processes; return both results."""
+    key = f"twoproc {backend} {config}"
+    if key in ctx.cache:
+        return dict(ctx.cache[key])
+    spawn = mp.get_context("spawn")
+    if config.mode == "sync":
+        what = f"{config.warmup} + {config.rounds} rounds of {config.params / 1e6:.0f}M params"
+    else:
+        what = f"the 1M-param MLP, {config.steps} training steps"
+    h.progress(f"two learner processes on {backend}: {what}")
+    with mailbox_for(backend, ctx.workdir) as box:
+        barrier = spawn.Barrier(2)
+        queue = spawn.Queue()
+        procs = [
+            spawn.Process(target=_learner, args=(i, box, config, barrier, queue), daemon=True)
+            for i in range(2)
+        ]
+        for p in procs:
+            p.start()
+        results: dict[int, dict[str, Any]] = {}
+        limit = time.monotonic() + 60 + config.timeout * (config.rounds + config.warmup + 2)
+        while len(results) < 2 and time.monotonic() < limit:
+            try:
+                item = queue.get(timeout=2)
+            except Exception:
+                if any(p.exitcode not in (None, 0) for p in procs) and queue.empty():
+                    break
+                continue
+            results[item["index"]] = item
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    errors = [r["error"] for r in results.values() if "error" in r]
+    if errors or len(results) < 2:
+        raise RuntimeError(f"learner processes failed: {errors or 'no result'}")
+    out = {"backend": backend, "config": config.__dict__, "learners": [results[0], results[1]]}
+    ctx.cache[key] = out
+    return dict(out)
+
+
+def sync_rounds(result: dict[str, Any]) -> list[dict[str, float]]:
+    """Per measured round: both due -> both published -> both applied, and the per-process
+    step() times at the due call and at the applying call."""
+    a, b = result["learners"]
+    warmup = result["config"]["warmup"]
+    out = []
+    for ra, rb in zip(a["rounds"][warmup:], b["rounds"][warmup:], strict=True):
+        if ra["round"] != rb["round"]:
+            continue  # not the same commit (should not happen)
+        r = ra["round"]
+        pa, pb = a["published"].get(r), b["published"].get(r)
+        both_due = max(ra["due_at"], rb["due_at"])
+        both_applied = max(ra["apply_at"], rb["apply_at"])
+        both_published = max(pa, pb) if pa is not None and pb is not None else float("nan")
+        committed = a["committed"].get(r, b["committed"].get(r, float("nan")))
+        out.append(
+            {
+                "round": r,
+                "from_due_s": both_applied - both_due,
+                "from_published_s": both_applied - both_published,
+                "publish_s": both_published - both_due,
+                "close_s": committed - both_published,  # close detection + the closer's work
+                "apply_after_commit_s": both_applied - committed,  # polling, download, apply
+                "snapshot_s": [ra["snapshot_s"], rb["snapshot_s"]],
+                "apply_s": [ra["apply_s"], rb["apply_s"]],
+            }
+        )
+    return out
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
