@@ -58,6 +58,7 @@ from gradientmail.payload import get_tensors, put_tensors
 __all__ = ["Session"]
 
 _TICK = 0.02  # how often the communication thread looks for work handed over by step()
+_FIRST_POLL = 0.025  # the syncer's first look for a commit after this learner published
 
 
 def _default_learner_id() -> str:
@@ -383,13 +384,15 @@ class Session:
 
         asyncio.run(main())
 
-    async def _pause(self, seconds: float, wake: threading.Event | None = None) -> None:
+    async def _pause(self, seconds: float, wake: threading.Event | None = None) -> bool:
+        """Sleep ``seconds``, or less when stopped or woken; True when ``wake`` ended it."""
         end = time.monotonic() + seconds
         while not self._stop.is_set() and (left := end - time.monotonic()) > 0:
             if wake is not None and wake.is_set():
                 wake.clear()
-                return
-            await asyncio.sleep(min(left, 0.05))
+                return True
+            await asyncio.sleep(min(left, 0.02 if wake is not None else 0.05))
+        return False
 
     def _emit(self, event: Event) -> None:
         with self._lock:
@@ -516,6 +519,7 @@ class Session:
                     )
 
     async def _sync(self) -> None:
+        fast = self.poll_interval
         while not self._stop.is_set():
             try:
                 await self._poll_rounds()
@@ -527,8 +531,14 @@ class Session:
             # when idle (a commit it did not contribute to can wait a few seconds).
             with self._lock:
                 waiting = bool(self._inflight)
-            interval = self.poll_interval if waiting else self.idle_poll_interval
-            await self._pause(interval, wake=self._wake_sync)
+            # While waiting, start fast after a publish (the commit may land within tens of
+            # milliseconds) and back off to poll_interval; idle, poll at idle_poll_interval.
+            if waiting:
+                interval, fast = fast, min(fast * 2, self.poll_interval)
+            else:
+                interval, fast = self.idle_poll_interval, self.poll_interval
+            if await self._pause(interval, wake=self._wake_sync):
+                fast = min(_FIRST_POLL, self.poll_interval)
 
     async def _poll_rounds(self) -> None:
         # Rounds of different fragments can commit out of order; listing after the oldest
