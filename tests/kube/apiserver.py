@@ -23,10 +23,8 @@ or inside a running event loop with ``await server.astart()`` / ``await server.a
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -51,6 +49,7 @@ from tests.kube.selectors import FieldSelector, LabelSelector, SelectorError
 from tests.kube.store import Store, WatchEvent
 from tests.kube.tables import render_table
 from tests.kube.watch import CLOSE, WatchRequest, _Closing, serve_watch
+from tests.support.loop_thread import LoopThread
 
 __all__ = ["ApiServer", "write_kubeconfig"]
 
@@ -116,9 +115,7 @@ class ApiServer:
         self._runner: web.AppRunner | None = None
         self._watch_queues: set[asyncio.Queue[WatchEvent | _Closing]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._stop_requested: asyncio.Event | None = None
-        self._thread_error: BaseException | None = None
+        self._runner_thread = LoopThread("API server", self.astart, self.astop)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -159,39 +156,12 @@ class ApiServer:
 
     def start(self) -> ApiServer:
         """Serve from a daemon thread with its own loop; returns when it accepts requests."""
-        ready = threading.Event()
-
-        def run() -> None:
-            loop = asyncio.new_event_loop()
-            try:
-                self._stop_requested = asyncio.Event()
-                loop.run_until_complete(self.astart())
-                ready.set()
-                loop.run_until_complete(self._stop_requested.wait())
-                loop.run_until_complete(self.astop())
-            except BaseException as exc:
-                self._thread_error = exc
-            finally:
-                ready.set()
-                loop.close()
-
-        self._thread = threading.Thread(target=run, name="kube-apiserver", daemon=True)
-        self._thread.start()
-        if not ready.wait(START_TIMEOUT_S) or self._thread_error is not None:
-            self.stop()
-            raise RuntimeError(f"the API server did not start: {self._thread_error!r}")
+        self._runner_thread.start(START_TIMEOUT_S)
         return self
 
     def stop(self) -> None:
         """Stop the thread started by :meth:`start` (idempotent)."""
-        thread, loop, event = self._thread, self._loop, self._stop_requested
-        if thread is None:
-            return
-        if loop is not None and event is not None and not loop.is_closed():
-            with contextlib.suppress(RuntimeError):  # the loop already closed
-                loop.call_soon_threadsafe(event.set)
-        thread.join(START_TIMEOUT_S)
-        self._thread = None
+        self._runner_thread.stop(START_TIMEOUT_S)
 
     def __enter__(self) -> ApiServer:
         return self.start()

@@ -74,6 +74,7 @@ from tests.kube.pods import (
     signal_group,
     spawn,
 )
+from tests.support.loop_thread import LoopThread
 
 __all__ = ["IMAGE_ENTRYPOINTS", "Kubelet", "image_repository"]
 
@@ -127,9 +128,7 @@ class Kubelet:
         self._slots: asyncio.Semaphore | None = None
         self._main: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._stop_requested: asyncio.Event | None = None
-        self._thread_error: BaseException | None = None
+        self._runner_thread = LoopThread("kubelet", self.astart, self.astop)
         self.synced = threading.Event()
         """Set once the first pod list has been handled."""
 
@@ -172,40 +171,12 @@ class Kubelet:
 
     def start(self) -> Kubelet:
         """Run in a daemon thread with its own loop; returns once the node is registered."""
-        ready = threading.Event()
-
-        def run() -> None:
-            loop = asyncio.new_event_loop()
-            try:
-                self._stop_requested = asyncio.Event()
-                loop.run_until_complete(self.astart())
-                ready.set()
-                loop.run_until_complete(self._stop_requested.wait())
-            except BaseException as exc:
-                self._thread_error = exc
-            finally:
-                with contextlib.suppress(BaseException):
-                    loop.run_until_complete(self.astop())
-                ready.set()
-                loop.close()
-
-        self._thread = threading.Thread(target=run, name="kubelet", daemon=True)
-        self._thread.start()
-        if not ready.wait(_HTTP_TIMEOUT_S * 2) or self._thread_error is not None:
-            self.stop()
-            raise RuntimeError(f"the kubelet did not start: {self._thread_error!r}")
+        self._runner_thread.start(_HTTP_TIMEOUT_S * 2)
         return self
 
     def stop(self) -> None:
         """Kill every process it started and stop the thread (idempotent)."""
-        thread, loop, event = self._thread, self._loop, self._stop_requested
-        if thread is None:
-            return
-        if loop is not None and event is not None and not loop.is_closed():
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(event.set)
-        thread.join(self.max_grace_s + _STOP_GRACE_S + 10.0)
-        self._thread = None
+        self._runner_thread.stop(self.max_grace_s + _STOP_GRACE_S + 10.0)
 
     def __enter__(self) -> Kubelet:
         return self.start()
