@@ -127,21 +127,24 @@ class DiLoCo:
         total = float(sum(samples for _, samples, _ in ordered))
         new_params: dict[str, torch.Tensor] = {}
         new_momentum: dict[str, torch.Tensor] = {}
+        lr, mu = self.outer_lr, self.outer_momentum
         for name, global_value in base.items():
             g = global_value.to(torch.float32)  # a view when already float32
-            # One full-size temporary: the accumulator, reused for delta and the update.
-            acc = torch.zeros_like(g)
+            # No temporaries: the weighted average accumulates in the buffer that becomes the
+            # new parameters, and the momentum buffer is the other output.
+            out = torch.zeros_like(g)
             for _, samples, local in ordered:
-                acc.add_(local[name].to(torch.float32), alpha=samples / total)
-            acc.neg_().add_(g)  # delta = g − Σ w_i x_i  (the weights sum to one)
+                out.add_(local[name].to(torch.float32), alpha=samples / total)
+            # delta = g − avg;  m = μ·m_old + delta
             if momentum is None:  # the first round: momentum starts at zero
-                m = acc.clone()
+                m = torch.sub(g, out)
             else:
-                m = momentum[name].to(torch.float32).mul(self.outer_momentum).add_(acc)
+                m = momentum[name].to(torch.float32).mul(mu).add_(g).sub_(out)
             if self.nesterov:
-                acc.add_(m, alpha=self.outer_momentum)  # update = delta + μ·m
+                # g − lr·(delta + μ·m)  =  (1 − lr)·g + lr·avg − lr·μ·m
+                out.mul_(lr).add_(g, alpha=1 - lr).add_(m, alpha=-lr * mu)
             else:
-                acc.copy_(m)
-            new_params[name] = g.sub(acc, alpha=self.outer_lr).to(global_value.dtype)
+                out.copy_(g).add_(m, alpha=-lr)  # g − lr·m
+            new_params[name] = out.to(global_value.dtype)
             new_momentum[name] = m
         return new_params, new_momentum
