@@ -16,6 +16,7 @@ reads it; we read what ``safetensors.torch.save`` writes):
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import struct
@@ -173,8 +174,12 @@ def decode(
 
 
 async def put_tensors(box: Mailbox, tensors: Mapping[str, torch.Tensor]) -> tuple[str, int]:
-    """Store ``tensors`` as a blob; return its key and size. Idempotent."""
-    key, data = encode(tensors)
+    """Store ``tensors`` as a blob; return its key and size. Idempotent.
+
+    Encoding runs in a worker thread: the calling loop keeps serving (beats, polls), and two
+    payloads (a commit's parameters and momentum) encode side by side.
+    """
+    key, data = await asyncio.to_thread(encode, tensors)
     await box.put_if_absent(key, data)  # False: the same bytes are already there
     return key, len(data)
 
@@ -187,4 +192,6 @@ async def get_tensors(
         raise ProtocolError(
             f"{key}: the payload is missing (swept, or written to a different store)"
         )
-    return decode(key, data, expect)
+    if len(data) < _OVERLAP_BYTES:
+        return decode(key, data, expect)
+    return await asyncio.to_thread(decode, key, data, expect)  # hashing releases the GIL
