@@ -200,13 +200,7 @@ def mailbox_for(backend: str, workdir: Path) -> Iterator[gm.Mailbox]:
         yield gm.FileMailbox(workdir / f"twoproc-{uuid.uuid4().hex[:6]}")
         return
     with s3servers.seaweedfs(workdir / f"seaweedfs-{uuid.uuid4().hex[:6]}") as server:
-        yield gm.S3Mailbox(
-            server.bucket,
-            f"twoproc-{uuid.uuid4().hex[:6]}",
-            endpoint_url=server.endpoint_url,
-            aws_access_key_id=server.access_key,
-            aws_secret_access_key=server.secret_key,
-        )
+        yield server.mailbox(f"twoproc-{uuid.uuid4().hex[:6]}")
 
 
 def run(ctx: h.Context, backend: str, config: Config) -> dict[str, Any]:

@@ -126,13 +126,7 @@ def s3_target(kind: str, workdir: Path) -> Iterator[Target]:
     with start(workdir / kind) as server:
         client = server.client()
         prefix = f"bench-{uuid.uuid4().hex[:8]}"
-        box = gm.S3Mailbox(
-            server.bucket,
-            prefix,
-            endpoint_url=server.endpoint_url,
-            aws_access_key_id=server.access_key,
-            aws_secret_access_key=server.secret_key,
-        )
+        box = server.mailbox(prefix)
 
         def raw_put(key: str, data: bytes) -> None:
             client.put_object(

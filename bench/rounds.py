@@ -102,13 +102,7 @@ def seaweedfs_target(workdir: Path) -> Iterator[Target]:
 
         def open_box() -> tuple[gm.Mailbox, Callable[[], None]]:
             prefix = f"rounds-{uuid.uuid4().hex[:8]}"
-            box = gm.S3Mailbox(
-                server.bucket,
-                prefix,
-                endpoint_url=server.endpoint_url,
-                aws_access_key_id=server.access_key,
-                aws_secret_access_key=server.secret_key,
-            )
+            box = server.mailbox(prefix)
             return box, lambda: None
 
         def raw_put_get(data: bytes) -> float:

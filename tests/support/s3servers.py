@@ -51,6 +51,7 @@ import boto3
 import botocore.config
 import botocore.exceptions
 
+import gradientmail as gm
 from tests.support.processes import ManagedProcess
 
 if TYPE_CHECKING:
@@ -109,6 +110,16 @@ class S3Server:
         ``config`` is passed on to :class:`botocore.config.Config`.
         """
         return _client(self, **config)
+
+    def mailbox(self, prefix: str) -> gm.S3Mailbox:
+        """An :class:`S3Mailbox` on this server's bucket under ``prefix``, signed with its key."""
+        return gm.S3Mailbox(
+            self.bucket,
+            prefix,
+            endpoint_url=self.endpoint_url,
+            aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key,
+        )
 
 
 def endpoint_env(servers: Sequence[S3Server]) -> dict[str, str]:
