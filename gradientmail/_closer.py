@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -57,7 +57,6 @@ class RoundCloser:
         round_timeout: float,
         keep_rounds: int,
         emit: Callable[[Event], None],
-        stop: object = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.box = box
@@ -152,7 +151,7 @@ class RoundCloser:
         self,
         r: int,
         attempt: int,
-        snaps: list[str] | tuple[str, ...] | object,
+        snaps: Sequence[str],
         own_payload: str,
         own_snapshot: Mapping[str, torch.Tensor],
         base_params: Mapping[str, torch.Tensor] | None,
@@ -169,7 +168,6 @@ class RoundCloser:
                 momentum = cached[1]
             else:
                 momentum = await retrying(partial(get_tensors, self.box, base.momentum, specs))
-        assert isinstance(snaps, list | tuple)
         records = await asyncio.gather(*(retrying(partial(self.box.get, key)) for key in snaps))
         usable: list[p.Snapshot] = []
         for key, data in zip(snaps, records, strict=True):
