@@ -335,6 +335,8 @@ class Session:
     # -- the training-thread side ------------------------------------------------------------
 
     def _apply_staged(self) -> None:
+        if not self._staged:  # the hot path of step(): a commit staged just now waits a step
+            return
         with self._lock:
             staged, self._staged = self._staged, []
         for item in staged:
