@@ -108,7 +108,7 @@ def operator(kube_cluster: KubeCluster) -> KubeCluster:
 def test_a_run_trains_to_succeeded(operator: KubeCluster, tmp_path: Path) -> None:
     cluster = operator
     # Long enough for the status (polled every second) to see the nodes while they train.
-    algorithm = {"syncEvery": 10, "fragments": 2, "steps": 600, "roundTimeout": 2}
+    algorithm = {"syncEvery": 10, "fragments": 2, "steps": 1500, "roundTimeout": 2}
     cluster.apply(_run("exp", _mailbox(tmp_path, cluster), algorithm=algorithm))
     pods = wait_until(lambda: len(_pods(cluster, "exp")) == 3 and _pods(cluster, "exp"), "pods")
     container = pods[0]["spec"]["containers"][0]
@@ -129,12 +129,6 @@ def test_a_run_trains_to_succeeded(operator: KubeCluster, tmp_path: Path) -> Non
             seen.append(table)
         return _status(cluster, "exp")
 
-    wait_until(
-        lambda: (s := snapshot()).get("liveLearners") == 3 and (s.get("newestRound") or 0) >= 2,
-        "3 live learners and a training round",
-        timeout=RUN_TIMEOUT,
-        every=0.5,
-    )
     final = wait_until(
         lambda: (s := snapshot()).get("phase") == "Succeeded" and s,
         "the run to succeed",
@@ -142,6 +136,9 @@ def test_a_run_trains_to_succeeded(operator: KubeCluster, tmp_path: Path) -> Non
         every=0.5,
     )
     print("\n".join(seen))  # the closing note quotes this
+    running = [line.split() for t in seen for line in t.splitlines()[1:] if "Running" in line]
+    live = [int(row[3]) for row in running if len(row) >= 5 and row[3].isdigit()]
+    assert max(live, default=0) == 3, f"the status never showed 3 live learners: {seen}"
     assert any("Running" in table for table in seen)
     rounds_seen = {
         line.split()[4]
