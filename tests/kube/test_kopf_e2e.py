@@ -5,7 +5,6 @@ operator's finalizer and garbage collection takes the pods (and their processes)
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import pytest
 
 from tests.kube.fixtures import KubeCluster
 from tests.kube.sample_operator import FINALIZER, LABEL
-from tests.support.processes import ManagedProcess
+from tests.support.processes import ManagedProcess, pid_alive
 from tests.support.waiting import wait_until
 
 HERE = Path(__file__).parent
@@ -136,7 +135,7 @@ def test_cluster_wide_a_killed_pod_fails_the_job_and_namespace_deletion_cleans_u
     # Deleting the namespace deletes the job (kopf's finalizer runs first) and the pods.
     cluster.kubectl("delete", "namespace", "team", "--timeout=30s")
     assert not api.exists("/api/v1/namespaces/team")
-    assert not _alive(survivor)
+    assert not pid_alive(survivor)
     assert operator.exit_status() is None, operator.output()
     assert "Handler 'delete' succeeded" in operator.output()
 
@@ -153,15 +152,3 @@ def sample_job_yaml(name: str, pods: int, gate: Path, namespace: str = "default"
         },
     }
     return json.dumps(manifest)  # JSON is YAML
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False

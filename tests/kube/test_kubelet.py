@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import pytest
 from tests.kube.client import KubeApi, KubeApiError
 from tests.kube.fixtures import KubeCluster, start_cluster
 from tests.kube.kubelet import IMAGE_ENTRYPOINTS, image_repository
+from tests.support.processes import pid_alive
 from tests.support.waiting import wait_until
 
 Obj = dict[str, Any]
@@ -53,18 +53,6 @@ def wait_phase(api: KubeApi, name: str, wanted: str) -> Obj:
     wait_until(lambda: phase(api, name) == wanted, f"pod {name} to be {wanted}")
     result: Obj = api.get(f"{PODS}/{name}")
     return result
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_a_pod_runs_to_completion_with_status_and_logs(kube_cluster: KubeCluster) -> None:
@@ -165,16 +153,16 @@ def test_kill_on_demand_and_deletion_kills_the_process(kube_cluster: KubeCluster
     terminated = failed["status"]["containerStatuses"][0]["state"]["terminated"]
     assert terminated["exitCode"] == 137
     assert terminated["signal"] == signal.SIGKILL
-    wait_until(lambda: not alive(pid), "the killed process to be gone")
+    wait_until(lambda: not pid_alive(pid), "the killed process to be gone")
 
     api.create(PODS, pod("deleted", "import time; time.sleep(60)"))
     wait_phase(api, "deleted", "Running")
     running = kubelet.pid("default", "deleted")
     assert running is not None
-    assert alive(running)
+    assert pid_alive(running)
     api.delete(f"{PODS}/deleted")
     wait_until(lambda: not api.exists(f"{PODS}/deleted"), "the deleted pod to go")
-    assert not alive(running)
+    assert not pid_alive(running)
     with pytest.raises(LookupError):
         kubelet.kill("default", "deleted")
 
@@ -273,7 +261,7 @@ def test_stop_kills_every_process(tmp_path: Path) -> None:
         wait_until(lambda: len(cluster.kubelet.pids()) == 3 if cluster.kubelet else False, "3 pods")
         pids = cluster.kubelet.pids()
         cluster.kubelet.stop()
-    assert not any(alive(pid) for pid in pids)
+    assert not any(pid_alive(pid) for pid in pids)
 
 
 def test_kubectl_logs(kube_cluster: KubeCluster) -> None:

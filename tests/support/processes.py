@@ -18,7 +18,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["ManagedProcess"]
+__all__ = ["ManagedProcess", "pid_alive"]
 
 STOP_TIMEOUT_S = 10.0
 
@@ -92,3 +92,16 @@ class ManagedProcess:
                 self._popen.wait()
                 self._stopped = True
             return self._popen.returncode
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not reaped, counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
