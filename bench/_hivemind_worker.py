@@ -58,7 +58,11 @@ def _peer(
                 tensors[0].add_(float(index + 1))  # "training": the peers drift apart
             barrier.wait(timeout=120)
             t0 = time.monotonic()
-            result = averager.step(timeout=args.timeout)
+            try:  # a round that finds no group is recorded as failed; the next one retries
+                result = averager.step(timeout=args.timeout)
+            except Exception as exc:
+                print(f"peer {index} round {r}: {type(exc).__name__}: {exc}", file=sys.stderr)
+                result = None
             t1 = time.monotonic()
             with averager.get_tensors() as tensors:
                 first, last = float(tensors[0][0]), float(tensors[0][-1])
@@ -87,7 +91,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--min-matchmaking-time", type=float, default=0.5)
-    parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--timeout", type=float, default=20.0)
     args = parser.parse_args()
 
     import hivemind
@@ -103,7 +107,7 @@ def main() -> int:
     for p in peers:
         p.start()
     results: dict[int, Any] = {}
-    deadline = time.monotonic() + args.timeout * (args.rounds + args.warmup + 2)
+    deadline = time.monotonic() + (args.timeout + 5) * (args.rounds + args.warmup + 2)
     while len(results) < 2 and time.monotonic() < deadline:
         try:
             item = queue.get(timeout=5)
