@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 
 import pytest
@@ -302,6 +303,96 @@ def test_plain_averaging_settings_average_the_snapshots() -> None:
     assert torch.allclose(new["w"], -0.5 * (delta + 0.9 * expected_m))
 
 
+def _combine_inputs(
+    dtype: torch.dtype, seed: int = 0
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[tuple[str, int, dict]]]:
+    gen = torch.Generator().manual_seed(seed)
+    shapes = {"w": (5, 7), "b": (7,), "s": ()}
+    base = {k: torch.randn(shape, generator=gen).to(dtype) for k, shape in shapes.items()}
+    momentum = {k: torch.randn(shape, generator=gen) * 0.1 for k, shape in shapes.items()}
+    local = [
+        (
+            name,
+            samples,
+            {
+                k: (v + 0.01 * torch.randn(v.shape, generator=gen)).to(dtype)
+                for k, v in base.items()
+            },
+        )
+        for name, samples in (("c", 3), ("a", 1), ("b", 7))
+    ]
+    return base, momentum, local
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _buffers(base: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+    return (
+        {k: torch.full(v.shape, float("nan")) for k, v in base.items()},  # garbage is overwritten
+        {k: torch.full(v.shape, float("nan")) for k, v in base.items()},
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("first_round", [True, False])
+def test_combine_into_out_buffers_is_bitwise_the_same(
+    dtype: torch.dtype, nesterov: bool, first_round: bool
+) -> None:
+    algorithm = gm.DiLoCo(outer_lr=0.7, outer_momentum=0.9, nesterov=nesterov)
+    base, momentum, local = _combine_inputs(dtype)
+    old = None if first_round else momentum
+    expect = algorithm.combine(base, old, local)
+    out = _buffers(base)
+    got = algorithm.combine(base, old, local, out=out)
+    for want, have in zip(expect, got, strict=True):
+        assert want.keys() == have.keys()
+        for k in want:
+            assert want[k].dtype == have[k].dtype
+            assert _bits(want[k]) == _bits(have[k]), k
+    for k in base:  # the outputs are the buffers (for float32 parameters; else converted)
+        assert got[1][k] is out[1][k]
+        if dtype == torch.float32:
+            assert got[0][k] is out[0][k]
+    if not first_round:  # the momentum may be updated in place: out[1] is the input itself
+        inplace = {k: v.clone() for k, v in momentum.items()}
+        params, m = algorithm.combine(base, inplace, local, out=(_buffers(base)[0], inplace))
+        assert all(m[k] is inplace[k] for k in base)
+        assert all(_bits(m[k]) == _bits(expect[1][k]) for k in base)
+        assert all(_bits(params[k]) == _bits(expect[0][k]) for k in base)
+
+
+def test_combine_out_buffers_are_validated() -> None:
+    algorithm = gm.DiLoCo()
+    base, momentum, local = _combine_inputs(torch.float32)
+
+    def check(out: tuple[dict, dict], message: str) -> None:
+        with pytest.raises(ValueError, match=message):
+            algorithm.combine(base, momentum, local, out=out)
+
+    params, moms = _buffers(base)
+    check(({k: v for k, v in params.items() if k != "b"}, moms), r"out params.*missing \['b'\]")
+    check((params, {**moms, "x": torch.zeros(1)}), r"out momentum.*unexpected \['x'\]")
+    check(({**params, "w": torch.zeros(7, 5)}, moms), r"out params\['w'\] has shape \[7, 5\]")
+    check((params, {**moms, "b": torch.zeros(7, dtype=torch.bfloat16)}), r"\['b'\] is torch.bf")
+    check(({**params, "w": torch.zeros(7, 5).t()}, moms), r"\['w'\] is not contiguous")
+    check(({**params, "w": base["w"]}, moms), r"out params\['w'\] shares memory with the par")
+    check((params, {**moms, "b": local[1][2]["b"]}), r"out momentum\['b'\] shares memory with c")
+    check(({**params, "b": moms["b"]}, moms), r"out.*\['b'\] and out.*\['b'\] share memory")
+    # Part of the momentum input is not the momentum input: only the whole tensor may be.
+    flat = torch.zeros(35 + 7)
+    overlapping = {**momentum, "w": flat[:35].view(5, 7), "b": flat[35:]}
+    with pytest.raises(ValueError, match=r"out momentum\['w'\] shares memory with the mom"):
+        algorithm.combine(
+            base, overlapping, local, out=(params, {**moms, "w": flat[7:].view(5, 7)})
+        )
+    with pytest.raises(ValueError, match="pair"):
+        algorithm.combine(base, momentum, local, out=(params,))  # type: ignore[arg-type]
+    assert all(torch.isnan(v).all() for v in [*params.values(), *moms.values()])  # untouched
+
+
 def test_fragments_are_balanced_and_staggered() -> None:
     algorithm = gm.DiLoCo(sync_every=100, fragments=4)
     assert [algorithm.offset(f) for f in range(4)] == [25, 50, 75, 0]
@@ -309,3 +400,23 @@ def test_fragments_are_balanced_and_staggered() -> None:
     groups = algorithm.split([(f"p{i}", 10) for i in range(8)])
     assert groups == [["p0", "p1"], ["p2", "p3"], ["p4", "p5"], ["p6", "p7"]]
     assert all(algorithm.split([("big", 1000)] + [(f"s{i}", 1) for i in range(3)]))
+
+
+def test_the_syncer_looks_for_an_awaited_commit_at_most_a_quarter_of_its_wait_late() -> None:
+    """Simulated schedule: from a publish at 0, look at 25 ms, then after a quarter of the time
+    waited so far, never more than poll_interval apart. A commit landing at any moment is
+    seen within max(25 ms, a quarter of its latency) — bounded by poll_interval."""
+    from gradientmail.session import _poll_delay
+
+    poll_interval = 0.5
+    looks = [0.0]
+    for _ in range(200):  # bounded: the schedule passes 30 s well within 200 looks
+        looks.append(looks[-1] + _poll_delay(looks[-1], poll_interval))
+    gaps = [b - a for a, b in itertools.pairwise(looks)]
+    assert gaps[0] == pytest.approx(0.025)
+    assert max(gaps) == pytest.approx(poll_interval)
+    for landed in [0.01, 0.1, 0.3, 0.37, 0.38, 0.8, 2.0, 10.0]:
+        seen = next(t for t in looks if t >= landed)
+        assert seen - landed <= min(poll_interval, max(0.025, 0.25 * seen)) + 1e-9
+    # A small poll_interval wins over the first look.
+    assert _poll_delay(0.0, 0.01) == 0.01
