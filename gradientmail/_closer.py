@@ -22,6 +22,7 @@ import torch
 from gradientmail import protocol as p
 from gradientmail._layout import ModelLayout
 from gradientmail._leases import LeaseTracker
+from gradientmail._parts import blob_keys
 from gradientmail._retry import retrying
 from gradientmail.algorithms.diloco import DiLoCo
 from gradientmail.errors import ProtocolError
@@ -147,23 +148,29 @@ class RoundCloser:
             )
         return self._records[base_round]
 
-    async def _close(
+    async def _inputs(
         self,
         r: int,
-        attempt: int,
         snaps: Sequence[str],
         own_payload: str,
         own_snapshot: Mapping[str, torch.Tensor],
         base_params: Mapping[str, torch.Tensor] | None,
-    ) -> Outcome:
-        fragment = r % self.layout.count
-        specs = self.layout.specs[fragment]
+        cached: tuple[str, dict[str, torch.Tensor]] | None,
+    ) -> tuple[
+        p.Commit,
+        Mapping[str, torch.Tensor],
+        dict[str, torch.Tensor] | None,
+        list[tuple[str, int, Mapping[str, torch.Tensor]]],
+        list[p.Contribution],
+    ]:
+        """What round ``r`` combines: its base commit and parameters, the momentum (``cached``
+        when that is the base's), the usable snapshots and what the record lists of them."""
+        specs = self.layout.specs[r % self.layout.count]
         base = await self._base(r)
         if base_params is None:
             base_params = await retrying(partial(get_tensors, self.box, base.params, specs))
         momentum: dict[str, torch.Tensor] | None = None
         if base.momentum is not None:
-            cached = self._momentum.get(fragment)
             if cached is not None and cached[0] == base.momentum:
                 momentum = cached[1]
             else:
@@ -189,11 +196,57 @@ class RoundCloser:
         listed = [p.Contribution(snap.learner, snap.samples, snap.payload) for snap in usable]
         if not contributions:
             raise ProtocolError(f"round {r}: no usable snapshot among {len(snaps)} listed")
-        params, new_momentum = self.algorithm.combine(base_params, momentum, contributions)
+        return base, base_params, momentum, contributions, listed
+
+    async def _close(
+        self,
+        r: int,
+        attempt: int,
+        snaps: Sequence[str],
+        own_payload: str,
+        own_snapshot: Mapping[str, torch.Tensor],
+        base_params: Mapping[str, torch.Tensor] | None,
+    ) -> Outcome:
+        fragment = r % self.layout.count
+        # The momentum this closer computed last for this fragment, taken out of the cache
+        # for the whole close: the combine below overwrites it (see the comment there).
+        taken = self._momentum.pop(fragment, None)
+        try:
+            base, base_params, momentum, contributions, listed = await self._inputs(
+                r, snaps, own_payload, own_snapshot, base_params, taken
+            )
+        except BaseException:
+            if taken is not None:  # not written yet: it still holds what its key names
+                self._momentum.setdefault(fragment, taken)
+            raise
+        # Buffer reuse, momentum only: the new momentum is written over the closer's previous
+        # momentum of this fragment (in place when that is this round's input, which combine
+        # allows: the update is element-wise), saving a fresh fragment-sized allocation and
+        # its page faults per round. Those buffers are the closer's alone: combine's output,
+        # cached only once both payloads were stored (their encodes had copied the bytes),
+        # never handed out. Keeping them out of the cache until this close has stored its
+        # payloads prevents the race of a close that fails after the combine leaving the
+        # cache naming the previous momentum's key over bytes since overwritten: the retry,
+        # or the next round, would silently combine with the wrong momentum. A buffer whose
+        # upload failed is dropped, never reused: gather lets the other payload's encode run
+        # on, reading it. Downloaded momentum is never written (a read-only view of the
+        # mailbox's bytes). The new parameters are never reused: the training thread gets
+        # them (staged, applied, then kept as the reference and as the base of this
+        # fragment's next round), holding references the closer cannot see.
+        out = None
+        if taken is not None:
+            fresh = {
+                name: torch.empty(value.shape, dtype=torch.float32, device=value.device)
+                for name, value in base_params.items()
+            }
+            out = (fresh, taken[1])
+        params, new_momentum = self.algorithm.combine(base_params, momentum, contributions, out=out)
         (params_key, _), (momentum_key, _) = await asyncio.gather(
             retrying(partial(put_tensors, self.box, params)),
             retrying(partial(put_tensors, self.box, new_momentum)),
         )
+        # Cached whether the round record below wins or loses: they are momentum_key's bytes.
+        self._momentum[fragment] = (momentum_key, new_momentum)
         commit = p.Commit(
             round=r,
             fragment=fragment,
@@ -208,7 +261,6 @@ class RoundCloser:
         # Payloads first, then the record that points at them.
         won = await retrying(partial(self.box.put_if_absent, key, p.encode(commit)))
         if won:
-            self._momentum[fragment] = (momentum_key, new_momentum)
             self._records[r] = commit
             outcome = Outcome(commit, params)
         else:
@@ -254,6 +306,11 @@ class RoundCloser:
         if base is not None and base.round > old:  # with keep_rounds=1 the base itself goes
             kept |= {base.params, base.momentum}
         kept |= {c.payload for c in commit.contributors}
-        await retrying(partial(self.box.delete, sorted(k for k in doomed if k and k not in kept)))
+        # Payloads stored in parts: their parts go with them, except a part that a kept
+        # payload names too (the same bytes under the same content-addressed key).
+        payloads = {k for k in doomed if k and k.startswith(p.BLOBS)}
+        doomed |= await retrying(partial(blob_keys, self.box, payloads))
+        spared = await retrying(partial(blob_keys, self.box, {k for k in kept if k}))
+        await retrying(partial(self.box.delete, sorted(k for k in doomed if k and k not in spared)))
         for r in [r for r in self._records if r <= old]:
             del self._records[r]

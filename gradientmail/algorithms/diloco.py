@@ -20,6 +20,8 @@ round record and the previous commit of its fragment and get the same bits.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -119,11 +121,29 @@ class DiLoCo:
         base: Mapping[str, torch.Tensor],
         momentum: Mapping[str, torch.Tensor] | None,
         contributions: Sequence[tuple[str, int, Mapping[str, torch.Tensor]]],
+        *,
+        out: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None,
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """New global parameters and momentum from ``(learner, samples, local)`` triples."""
+        """New global parameters and momentum from ``(learner, samples, local)`` triples.
+
+        Per tensor, one float32 accumulator holds the weighted average and then, in place,
+        the new parameters; the new momentum is the other output. Nothing else of full size
+        is allocated (``.to(float32)`` of a float32 input is the input itself).
+
+        ``out``: ``(params, momentum)`` buffers to write into instead of allocating the two
+        outputs, each with exactly the names of ``base``, float32, contiguous, on the
+        parameters' device and of their shapes (``ValueError`` naming the tensor otherwise).
+        ``out[0]`` is the accumulator: for float32 parameters the returned parameters are
+        those buffers, for other dtypes a conversion of them. ``out[1][name]`` may be
+        ``momentum[name]`` itself (the momentum update is element-wise, so it runs in
+        place); no other output may share memory with an input or with another output.
+        The results are bitwise the same with and without ``out``.
+        """
         if not contributions:
             raise ValueError("a round needs at least one contribution")
         ordered = sorted(contributions, key=lambda c: c[0])
+        if out is not None:
+            _check_out(base, momentum, [local for _, _, local in ordered], out)
         total = float(sum(samples for _, samples, _ in ordered))
         new_params: dict[str, torch.Tensor] = {}
         new_momentum: dict[str, torch.Tensor] = {}
@@ -131,20 +151,106 @@ class DiLoCo:
         for name, global_value in base.items():
             g = global_value.to(torch.float32)  # a view when already float32
             # No temporaries: the weighted average accumulates in the buffer that becomes the
-            # new parameters, and the momentum buffer is the other output.
-            out = torch.zeros_like(g)
+            # new parameters, and the momentum buffer is the other output. With ``out`` the
+            # same operations run in the same order, into the given buffers.
+            acc = torch.zeros_like(g) if out is None else out[0][name].zero_()
             for _, samples, local in ordered:
-                out.add_(local[name].to(torch.float32), alpha=samples / total)
+                acc.add_(local[name].to(torch.float32), alpha=samples / total)
             # delta = g − avg;  m = μ·m_old + delta
+            m_out = None if out is None else out[1][name]
             if momentum is None:  # the first round: momentum starts at zero
-                m = torch.sub(g, out)
+                m = torch.sub(g, acc) if m_out is None else torch.sub(g, acc, out=m_out)
             else:
-                m = momentum[name].to(torch.float32).mul(mu).add_(g).sub_(out)
+                old = momentum[name].to(torch.float32)
+                m = old.mul(mu) if m_out is None else torch.mul(old, mu, out=m_out)
+                m.add_(g).sub_(acc)
             if self.nesterov:
                 # g − lr·(delta + μ·m)  =  (1 − lr)·g + lr·avg − lr·μ·m
-                out.mul_(lr).add_(g, alpha=1 - lr).add_(m, alpha=-lr * mu)
+                acc.mul_(lr).add_(g, alpha=1 - lr).add_(m, alpha=-lr * mu)
             else:
-                out.copy_(g).add_(m, alpha=-lr)  # g − lr·m
-            new_params[name] = out.to(global_value.dtype)
+                acc.copy_(g).add_(m, alpha=-lr)  # g − lr·m
+            new_params[name] = acc.to(global_value.dtype)
             new_momentum[name] = m
         return new_params, new_momentum
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``[start, end)`` that ``tensor`` can touch (conservative for strided views)."""
+    if tensor.numel() == 0:
+        return 0, 0
+    pairs = zip(tensor.shape, tensor.stride(), strict=True)
+    extent = sum((size - 1) * stride for size, stride in pairs)
+    start = tensor.data_ptr()
+    return start, start + (extent + 1) * tensor.element_size()
+
+
+def _check_out(
+    base: Mapping[str, torch.Tensor],
+    momentum: Mapping[str, torch.Tensor] | None,
+    locals_: Sequence[Mapping[str, torch.Tensor]],
+    out: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]],
+) -> None:
+    """Validate ``combine``'s ``out`` buffers; see its docstring."""
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise ValueError("out must be a (params, momentum) pair of dicts of tensors")
+    outputs: list[tuple[int, int, str]] = []  # (start, end, label) of every output buffer
+    for which, buffers in zip(("params", "momentum"), out, strict=True):
+        if set(buffers) != set(base):
+            missing = sorted(set(base) - set(buffers))[:3]
+            extra = sorted(set(buffers) - set(base))[:3]
+            raise ValueError(
+                f"out {which}: names differ from the parameters (missing {missing}, "
+                f"unexpected {extra})"
+            )
+        for name, buffer in buffers.items():
+            label = f"out {which}[{name!r}]"
+            want = base[name]
+            if not isinstance(buffer, torch.Tensor):
+                raise ValueError(f"{label} is a {type(buffer).__name__}, not a tensor")
+            if buffer.dtype != torch.float32:
+                raise ValueError(f"{label} is {buffer.dtype}; the outputs accumulate in float32")
+            if buffer.shape != want.shape:
+                raise ValueError(
+                    f"{label} has shape {list(buffer.shape)}, the parameter {list(want.shape)}"
+                )
+            if buffer.device != want.device:
+                raise ValueError(f"{label} is on {buffer.device}, the parameter on {want.device}")
+            if not buffer.is_contiguous():
+                raise ValueError(f"{label} is not contiguous")
+            start, end = _span(buffer)
+            if start != end:
+                outputs.append((start, end, label))
+    outputs.sort()
+    for (_, end, first), (start, _, second) in itertools.pairwise(outputs):
+        if start < end:
+            raise ValueError(f"{first} and {second} share memory")
+    starts = [start for start, _, _ in outputs]
+
+    def overlapping(tensor: torch.Tensor) -> str | None:
+        start, end = _span(tensor)
+        if start == end:
+            return None
+        i = bisect.bisect_right(starts, start)  # outputs are disjoint: check two neighbours
+        for j in (i - 1, i):
+            if 0 <= j < len(outputs) and outputs[j][0] < end and start < outputs[j][1]:
+                return outputs[j][2]
+        return None
+
+    inputs: list[tuple[str, Mapping[str, torch.Tensor]]] = [("the parameters", base)]
+    inputs += [(f"contribution {i}", local) for i, local in enumerate(locals_)]
+    if momentum is not None:
+        inputs.append(("the momentum", momentum))
+    for what, tensors in inputs:
+        for name, tensor in tensors.items():
+            if (
+                momentum is not None
+                and tensors is momentum
+                and name in out[1]
+                and _span(tensor) == _span(out[1][name])
+                and tensor.stride() == out[1][name].stride()
+                and tensor.dtype == torch.float32
+            ):
+                continue  # the momentum updated in place: element-wise, so allowed
+            hit = overlapping(tensor)
+            if hit is not None:
+                raise ValueError(f"{hit} shares memory with {what}[{name!r}]")
