@@ -6,12 +6,20 @@ little-endian buffers, so bytes read from a shared bucket cannot run code. A pay
 mismatch) and the layout the reader expects (:class:`ProtocolError`). Writing the same
 tensors twice writes one object.
 
-The codec is our own, for speed, and writes standard safetensors (``safetensors.torch.load``
-reads it; we read what ``safetensors.torch.save`` writes):
+A payload larger than :data:`PART_BYTES` is stored in parts: consecutive byte ranges of the
+same safetensors stream, each a blob named by its own sha256, plus a small JSON index
+(``blobs/{sha256 of the index}.parts``) naming them in order; records name the index. Parts
+are hashed on several cores and transferred concurrently, in both directions (one sha256
+over one stream runs on one core, ~1.8 GB/s here), and no single object outgrows what one
+S3 ``PutObject`` takes (5 GB).
 
-- encoding is one copy: ``b"".join`` of the header and each tensor's memory;
+The codec is our own, for speed, and writes standard safetensors (``safetensors.torch.load``
+reads it, or the concatenated parts; we read what ``safetensors.torch.save`` writes):
+
+- encoding is one copy: ``b"".join`` of the header and each tensor's memory (per part);
 - decoding copies nothing: each tensor is a read-only view into the received bytes
-  (``torch.frombuffer``), which callers only read (combine) or copy into the model.
+  (``torch.frombuffer``), which callers only read (combine) or copy into the model; only a
+  tensor that straddles two parts is joined into fresh memory.
 """
 
 from __future__ import annotations
@@ -19,20 +27,45 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import struct
 import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from gradientmail._parts import (
+    MAX_PARTS,
+    PARTS_FORMAT,
+    IndexWire,
+    PartWire,
+    blob_keys,
+    parse_index,
+    verify_blob,
+)
 from gradientmail.errors import PayloadCorrupt, ProtocolError
 from gradientmail.mailbox import Mailbox
-from gradientmail.protocol import TensorSpec, blob_key, blob_sha
+from gradientmail.protocol import TensorSpec, blob_key, is_parts_key, parts_key
 
-__all__ = ["decode", "encode", "get_tensors", "put_tensors"]
+__all__ = [
+    "PART_BYTES",
+    "Encoded",
+    "blob_keys",
+    "decode",
+    "encode",
+    "encode_payload",
+    "get_tensors",
+    "put_tensors",
+]
+
+PART_BYTES = 32 * 1024 * 1024
+"""Payloads above this many bytes are stored as parts of this size (the last one shorter).
+Part of the key scheme: the same tensors give the same keys only under the same value."""
+_TRANSFERS = 4  # part transfers in flight per payload
 
 if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for
     raise ImportError("gradientmail's payload codec assumes a little-endian machine")
@@ -56,8 +89,9 @@ _MAX_HEADER = 100 * 1024 * 1024
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 
-def encode(tensors: Mapping[str, torch.Tensor]) -> tuple[str, bytes]:
-    """Serialise ``tensors`` (sorted by name); return ``(blobs/<sha256>, bytes)``."""
+def _stream(tensors: Mapping[str, torch.Tensor]) -> tuple[list[memoryview], int]:
+    """The safetensors stream of ``tensors`` (sorted by name) as buffers, not yet copied:
+    the 8-byte header length, the header, then each tensor's memory."""
     header: dict[str, object] = {}
     chunks: list[memoryview] = []
     offset = 0
@@ -77,9 +111,14 @@ def encode(tensors: Mapping[str, torch.Tensor]) -> tuple[str, bytes]:
         offset += len(view)
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
-    pieces: list[bytes | memoryview] = [struct.pack("<Q", len(text)), text, *chunks]
+    pieces = [memoryview(struct.pack("<Q", len(text))), memoryview(text), *chunks]
+    return pieces, 8 + len(text) + offset
+
+
+def _join_hashing(pieces: Sequence[memoryview], size: int) -> tuple[str, bytes]:
+    """One blob: the pieces joined, named by their sha256."""
     digest = hashlib.sha256()
-    if offset < _OVERLAP_BYTES:
+    if size < _OVERLAP_BYTES:
         data = b"".join(pieces)
         digest.update(data)
     else:
@@ -89,31 +128,128 @@ def encode(tensors: Mapping[str, torch.Tensor]) -> tuple[str, bytes]:
             for piece in pieces:
                 digest.update(piece)
 
-        hashing = _hasher().submit(hash_pieces)
+        hashing = _workers().submit(hash_pieces)
         data = b"".join(pieces)
         hashing.result()
     return blob_key(digest.hexdigest()), data
+
+
+def _join_then_hash(pieces: Sequence[memoryview]) -> tuple[str, bytes]:
+    data = b"".join(pieces)
+    return blob_key(hashlib.sha256(data).hexdigest()), data
+
+
+def _cut(pieces: Sequence[memoryview], part_bytes: int) -> list[list[memoryview]]:
+    """Split the stream into consecutive ranges of ``part_bytes`` (views, no copies)."""
+    groups: list[list[memoryview]] = [[]]
+    room = part_bytes
+    for piece in pieces:
+        while len(piece):
+            if room == 0:
+                groups.append([])
+                room = part_bytes
+            take = piece[:room]
+            groups[-1].append(take)
+            room -= len(take)
+            piece = piece[len(take) :]
+    return groups
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A payload ready to store: ``objects`` in the order to write them (parts before the
+    index that names them); ``key`` is what records name, ``size`` the stream's bytes."""
+
+    key: str
+    size: int
+    objects: tuple[tuple[str, bytes], ...]
+
+
+def encode(tensors: Mapping[str, torch.Tensor]) -> tuple[str, bytes]:
+    """Serialise ``tensors`` (sorted by name) as one blob; return ``(blobs/<sha256>, bytes)``."""
+    pieces, size = _stream(tensors)
+    return _join_hashing(pieces, size)
+
+
+def encode_payload(
+    tensors: Mapping[str, torch.Tensor], part_bytes: int | None = None
+) -> Encoded:
+    """Serialise ``tensors`` as stored: one blob up to ``part_bytes`` (default
+    :data:`PART_BYTES`), else parts (joined and hashed side by side on worker threads) and
+    their index."""
+    if part_bytes is None:
+        part_bytes = PART_BYTES
+    if part_bytes < 1:
+        raise ValueError(f"part_bytes must be positive, not {part_bytes}")
+    pieces, size = _stream(tensors)
+    if size <= part_bytes:
+        key, data = _join_hashing(pieces, size)
+        return Encoded(key, size, ((key, data),))
+    groups = _cut(pieces, part_bytes)
+    if len(groups) > MAX_PARTS:
+        raise ValueError(f"{size} bytes in parts of {part_bytes} would take over {MAX_PARTS}")
+    pool = _workers()
+    parts = [future.result() for future in [pool.submit(_join_then_hash, g) for g in groups]]
+    wire: IndexWire = {
+        "format": PARTS_FORMAT,
+        "size": size,
+        "parts": [{"key": key, "size": len(data)} for key, data in parts],
+    }
+    index = json.dumps(wire, separators=(",", ":")).encode()
+    key = parts_key(hashlib.sha256(index).hexdigest())
+    return Encoded(key, size, (*parts, (key, index)))
 
 
 _OVERLAP_BYTES = 4 * 1024 * 1024
 _executor: ThreadPoolExecutor | None = None
 
 
-def _hasher() -> ThreadPoolExecutor:
+def _workers() -> ThreadPoolExecutor:
     global _executor
     if _executor is None:
-        _executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="gm-hash")
+        workers = max(2, min(4, os.cpu_count() or 2))
+        _executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gm-hash")
     return _executor
 
 
-def _layout(key: str, data: bytes) -> tuple[int, dict[str, Any]]:
-    if len(data) < 8:
-        raise ProtocolError(f"{key}: {len(data)} bytes cannot hold a safetensors header")
-    (size,) = struct.unpack_from("<Q", data)
-    if size > min(_MAX_HEADER, len(data) - 8):
+class _Stream:
+    """A payload's bytes, held as one or more consecutive chunks (its parts)."""
+
+    def __init__(self, chunks: Sequence[bytes]) -> None:
+        self.chunks = chunks
+        self.starts: list[int] = []
+        total = 0
+        for chunk in chunks:
+            self.starts.append(total)
+            total += len(chunk)
+        self.size = total
+
+    def view(self, begin: int, end: int) -> tuple[bytes, int]:
+        """``(buffer, offset)`` holding bytes ``begin:end``: a chunk itself when the range
+        lies inside one (no copy), else the range joined into fresh memory."""
+        for i, start in enumerate(self.starts):
+            chunk = self.chunks[i]
+            if start <= begin and end <= start + len(chunk):
+                return chunk, begin - start
+        pieces = []
+        for i, start in enumerate(self.starts):
+            chunk = self.chunks[i]
+            lo, hi = max(begin, start), min(end, start + len(chunk))
+            if lo < hi:
+                pieces.append(memoryview(chunk)[lo - start : hi - start])
+        return b"".join(pieces), 0
+
+
+def _layout(key: str, stream: _Stream) -> tuple[int, dict[str, Any]]:
+    if stream.size < 8:
+        raise ProtocolError(f"{key}: {stream.size} bytes cannot hold a safetensors header")
+    buffer, at = stream.view(0, 8)
+    (size,) = struct.unpack_from("<Q", buffer, at)
+    if size > min(_MAX_HEADER, stream.size - 8):
         raise ProtocolError(f"{key}: the safetensors header claims {size} bytes")
+    buffer, at = stream.view(8, 8 + size)
     try:
-        header = json.loads(data[8 : 8 + size])
+        header = json.loads(bytes(memoryview(buffer)[at : at + size]))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ProtocolError(f"{key}: the safetensors header is not JSON ({exc})") from exc
     if not isinstance(header, dict):
@@ -125,16 +261,16 @@ def _layout(key: str, data: bytes) -> tuple[int, dict[str, Any]]:
 def decode(
     key: str, data: bytes, expect: Sequence[TensorSpec] | None = None
 ) -> dict[str, torch.Tensor]:
-    """Verify ``data`` against the hash in ``key`` (and the expected layout); return
-    read-only tensor views into ``data``."""
-    sha = blob_sha(key)
-    actual = hashlib.sha256(data).hexdigest()
-    if actual != sha:
-        raise PayloadCorrupt(
-            f"{key}: the {len(data)} bytes read hash to {actual[:16]}…; the object is "
-            "corrupt or truncated"
-        )
-    start, header = _layout(key, data)
+    """Verify ``data`` (one blob) against the hash in ``key`` (and the expected layout);
+    return read-only tensor views into ``data``."""
+    verify_blob(key, data)
+    return _tensors(key, _Stream([data]), expect)
+
+
+def _tensors(
+    key: str, stream: _Stream, expect: Sequence[TensorSpec] | None
+) -> dict[str, torch.Tensor]:
+    start, header = _layout(key, stream)
     tensors: dict[str, torch.Tensor] = {}
     for name, info in header.items():
         try:
@@ -147,14 +283,15 @@ def decode(
         for n in shape:
             count *= n
         itemsize = torch.empty(0, dtype=dtype).element_size()
-        if begin < 0 or end - begin != count * itemsize or start + end > len(data):
+        if begin < 0 or end - begin != count * itemsize or start + end > stream.size:
             raise ProtocolError(f"{key}: {name!r} has inconsistent offsets or shape")
         if count == 0:
             tensors[name] = torch.empty(shape, dtype=dtype)
         else:
-            tensors[name] = torch.frombuffer(
-                data, dtype=dtype, count=count, offset=start + begin
-            ).reshape(shape)
+            buffer, at = stream.view(start + begin, start + end)
+            tensors[name] = torch.frombuffer(buffer, dtype=dtype, count=count, offset=at).reshape(
+                shape
+            )
     if expect is not None:
         wanted = {spec.name: spec for spec in expect}
         if set(tensors) != set(wanted):
@@ -174,24 +311,61 @@ def decode(
 
 
 async def put_tensors(box: Mailbox, tensors: Mapping[str, torch.Tensor]) -> tuple[str, int]:
-    """Store ``tensors`` as a blob; return its key and size. Idempotent.
+    """Store ``tensors`` as a blob (or parts and their index); return the key records name
+    and the payload's size. Idempotent.
 
-    Encoding runs in a worker thread: the calling loop keeps serving (beats, polls), and two
+    Encoding runs in worker threads: the calling loop keeps serving (beats, polls), and two
     payloads (a commit's parameters and momentum) encode side by side.
     """
-    key, data = await asyncio.to_thread(encode, tensors)
-    await box.put_if_absent(key, data)  # False: the same bytes are already there
-    return key, len(data)
+    encoded = await asyncio.to_thread(encode_payload, tensors)
+    *parts, (key, index) = encoded.objects
+    if parts:
+        limit = asyncio.Semaphore(_TRANSFERS)
+
+        async def put(part_key: str, data: bytes) -> None:
+            async with limit:
+                await box.put_if_absent(part_key, data)  # False: the same bytes are there
+
+        await asyncio.gather(*(put(k, d) for k, d in parts))
+    # The index last: whoever can read it (a record names it only after this returns, but a
+    # sweeper lists blobs/ at any time) finds every part it names already stored.
+    await box.put_if_absent(key, index)
+    return encoded.key, encoded.size
 
 
 async def get_tensors(
     box: Mailbox, key: str, expect: Sequence[TensorSpec] | None = None
 ) -> dict[str, torch.Tensor]:
+    """Read, verify and decode the payload ``key`` names (a blob, or a part index and its
+    parts, fetched concurrently and verified on worker threads)."""
+    data = await _get(box, key)
+    if not is_parts_key(key):
+        if len(data) < _OVERLAP_BYTES:
+            return decode(key, data, expect)
+        return await asyncio.to_thread(decode, key, data, expect)  # hashing releases the GIL
+    parts = parse_index(key, data)
+    limit = asyncio.Semaphore(_TRANSFERS)
+
+    async def fetch(part: PartWire) -> bytes:
+        async with limit:
+            blob = await _get(box, part["key"], of=key)
+        if len(blob) != part["size"]:
+            raise PayloadCorrupt(
+                f"{key}: part {part['key']} holds {len(blob)} bytes, the index says {part['size']}"
+            )
+        await asyncio.to_thread(verify_blob, part["key"], blob)
+        return blob
+
+    chunks = await asyncio.gather(*(fetch(part) for part in parts))
+    # A thread: a tensor that straddles two parts is joined (copied) here.
+    return await asyncio.to_thread(_tensors, key, _Stream(chunks), expect)
+
+
+async def _get(box: Mailbox, key: str, of: str | None = None) -> bytes:
     data = await box.get(key)
     if data is None:
+        what = f"{of}: its part {key}" if of else key
         raise ProtocolError(
-            f"{key}: the payload is missing (swept, or written to a different store)"
+            f"{what}: the payload is missing (swept, or written to a different store)"
         )
-    if len(data) < _OVERLAP_BYTES:
-        return decode(key, data, expect)
-    return await asyncio.to_thread(decode, key, data, expect)  # hashing releases the GIL
+    return data

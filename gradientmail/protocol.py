@@ -13,6 +13,7 @@ key                                 written by      holds
 ``claims/{r:010d}/{attempt:04d}``   closer          :class:`Claim`: elects round r's closer
 ``leases/{learner}/{beat:010d}``    learner         :class:`Beat`: heartbeat; newest key wins
 ``blobs/{sha256}``                  anyone          safetensors bytes named by their hash
+``blobs/{sha256}.parts``            anyone          index of a payload stored in parts
 ``barriers/{name}/{learner}``       Barrier         arrival (patterns)
 ``units/{id}``                      Shared Queue    first claim of a unit (patterns)
 ``units-reclaims/{id}/{attempt}``   Shared Queue    later claims of an abandoned unit
@@ -140,14 +141,30 @@ def parse_snapshot_key(key: str) -> tuple[int, str]:
     return int(parts[1]), parts[2]
 
 
+PARTS_SUFFIX = ".parts"  # a payload stored as parts: this blob is its index (see payload.py)
+
+
 def blob_key(sha256_hex: str) -> str:
     return f"{BLOBS}{sha256_hex}"
 
 
+def parts_key(sha256_hex: str) -> str:
+    """The key of a part index: the sha256 of the index's own bytes, and the suffix that
+    tells readers (and sweepers) to follow it to the parts it names."""
+    return f"{BLOBS}{sha256_hex}{PARTS_SUFFIX}"
+
+
+def is_parts_key(key: str) -> bool:
+    return key.startswith(BLOBS) and key.endswith(PARTS_SUFFIX)
+
+
 def blob_sha(key: str) -> str:
-    sha = key.removeprefix(BLOBS)
-    if sha == key or not _SHA_RE.fullmatch(sha):
-        raise ProtocolError(f"{key!r} is not a blob key (blobs/ and a sha256 hex digest)")
+    """The sha256 a blob key names: of the payload's bytes, or of its part index's bytes."""
+    sha = key.removeprefix(BLOBS).removesuffix(PARTS_SUFFIX)
+    if not key.startswith(BLOBS) or not _SHA_RE.fullmatch(sha):
+        raise ProtocolError(
+            f"{key!r} is not a blob key (blobs/, a sha256 hex digest, optionally {PARTS_SUFFIX})"
+        )
     return sha
 
 

@@ -19,7 +19,7 @@ from gradientmail._retry import retrying
 from gradientmail.algorithms.diloco import DiLoCo
 from gradientmail.errors import ProtocolError
 from gradientmail.mailbox import Mailbox
-from gradientmail.payload import encode, get_tensors
+from gradientmail.payload import encode_payload, get_tensors
 
 __all__ = ["Verified", "verify_commit"]
 
@@ -69,9 +69,9 @@ async def verify_commit(box: Mailbox, r: int, manifest: p.Manifest | None = None
         local = await retrying(partial(get_tensors, box, c.payload, specs))
         contributions.append((c.learner, c.samples, local))
     expected_params, expected_momentum = algorithm.combine(base_params, momentum, contributions)
-    if encode(expected_params)[0] != commit.params:
+    if encode_payload(expected_params).key != commit.params:
         raise ProtocolError(f"{key}: its parameters are not the combination its record names")
-    if encode(expected_momentum)[0] != commit.momentum:
+    if encode_payload(expected_momentum).key != commit.momentum:
         raise ProtocolError(f"{key}: its momentum is not the combination its record names")
     del params
     return Verified(

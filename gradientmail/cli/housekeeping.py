@@ -23,6 +23,7 @@ from typing import Any
 from rich.table import Table
 
 from gradientmail import protocol as p
+from gradientmail._parts import blob_keys as payload_blobs
 from gradientmail.cli._common import (
     USAGE,
     CliError,
@@ -169,6 +170,9 @@ async def plan_sweep(box: Mailbox, url: str, keep_rounds: int, orphans: bool) ->
             continue
         payload = p.decode_snapshot(key, data).payload
         (candidates if doomed else kept).add(payload)
+    # Payloads stored in parts occupy their parts too; a part named by a kept payload stays.
+    kept = await payload_blobs(box, kept)
+    candidates = await payload_blobs(box, candidates)
     existing = set(blob_keys)
     payloads = (candidates - kept) & existing
     if orphans:
