@@ -34,9 +34,10 @@ BENCHMARKS: dict[str, str] = {
     "step": "bench.step_cost",
     "sync": "bench.sync_time",
     "idle": "bench.idle_cost",
+    "scale": "bench.scale",
     "mailbox": "bench.mailbox",
 }
-DEFAULT = ["payload", "combine", "rounds", "step", "sync", "idle"]
+DEFAULT = ["payload", "combine", "rounds", "step", "sync", "idle", "scale"]
 
 
 def run_suite(
