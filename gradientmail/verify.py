@@ -11,15 +11,20 @@ of that fragment lands), so verify commits as they land, or raise ``keep_rounds`
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
 
+import torch
+
 from gradientmail import protocol as p
+from gradientmail._parts import parse_index
 from gradientmail._retry import retrying
 from gradientmail.algorithms.diloco import DiLoCo
 from gradientmail.errors import ProtocolError
 from gradientmail.mailbox import Mailbox
-from gradientmail.payload import encode_payload, get_tensors
+from gradientmail.payload import encode, encode_payload, get_tensors
+from gradientmail.protocol import is_parts_key
 
 __all__ = ["Verified", "verify_commit"]
 
@@ -35,6 +40,17 @@ class Verified:
 
 async def _record(box: Mailbox, key: str) -> bytes | None:
     return await retrying(partial(box.get, key))
+
+
+async def _stored_key(box: Mailbox, tensors: Mapping[str, torch.Tensor], stored: str) -> str:
+    """The key ``tensors`` get when stored the way ``stored`` was: one blob, or parts of the
+    size its index shows (the writer's part size, whatever this process's is)."""
+    if not is_parts_key(stored):
+        return encode(tensors)[0]
+    data = await retrying(partial(box.get, stored))
+    if data is None:
+        raise ProtocolError(f"{stored}: the payload is missing (swept, or another store)")
+    return encode_payload(tensors, parse_index(stored, data)[0]["size"]).key
 
 
 async def verify_commit(box: Mailbox, r: int, manifest: p.Manifest | None = None) -> Verified:
@@ -69,9 +85,11 @@ async def verify_commit(box: Mailbox, r: int, manifest: p.Manifest | None = None
         local = await retrying(partial(get_tensors, box, c.payload, specs))
         contributions.append((c.learner, c.samples, local))
     expected_params, expected_momentum = algorithm.combine(base_params, momentum, contributions)
-    if encode_payload(expected_params).key != commit.params:
+    if await _stored_key(box, expected_params, commit.params) != commit.params:
         raise ProtocolError(f"{key}: its parameters are not the combination its record names")
-    if encode_payload(expected_momentum).key != commit.momentum:
+    if commit.momentum is None or (
+        await _stored_key(box, expected_momentum, commit.momentum) != commit.momentum
+    ):
         raise ProtocolError(f"{key}: its momentum is not the combination its record names")
     del params
     return Verified(

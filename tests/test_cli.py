@@ -161,6 +161,40 @@ def test_status_align_verify_sweep_rm(mailbox: gm.Mailbox, tmp_path: Path) -> No
     assert "the prefix is empty" in gone.stderr
 
 
+def test_sweep_and_verify_follow_payloads_stored_in_parts(
+    mailbox: gm.Mailbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Payloads written in 128-byte parts (this process); the CLI (another process, its own
+    part size) verifies them and sweeps with --orphans without touching a kept payload's
+    parts, nor leaving a swept payload's behind."""
+    from gradientmail import payload
+
+    monkeypatch.setattr(payload, "PART_BYTES", 128)
+    url = url_of(mailbox)
+    history = train_run(mailbox)
+    blobs = asyncio.run(mailbox.list(p.BLOBS))
+    assert any(k.endswith(p.PARTS_SUFFIX) for k in blobs)
+    checked = cli("verify", url)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert f"{len(history)} commits: {len(history)} verified" in checked.stdout
+    swept = cli("sweep", url, "--orphans", "--yes")
+    assert swept.returncode == 0, swept.stderr
+    left = set(asyncio.run(mailbox.list(p.BLOBS)))
+    assert left < set(blobs)
+    named: set[str] = set()
+    for key in left:
+        if key.endswith(p.PARTS_SUFFIX):
+            data = asyncio.run(mailbox.get(key))
+            assert data is not None
+            named |= {part["key"] for part in json.loads(data)["parts"]}
+    assert named <= left  # every kept payload is whole
+    assert {k for k in left if not k.endswith(p.PARTS_SUFFIX)} <= named  # no orphaned part
+    after = cli("verify", url)
+    assert after.returncode == 0, after.stdout + after.stderr
+    assert f"{len(history)} commits: 2 verified" in after.stdout
+    gm.align(make_model(), mailbox=mailbox)
+
+
 # -- the errors ------------------------------------------------------------------------------
 
 
