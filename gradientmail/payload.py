@@ -171,33 +171,45 @@ def encode(tensors: Mapping[str, torch.Tensor]) -> tuple[str, bytes]:
     return _join_hashing(pieces, size)
 
 
-def encode_payload(
-    tensors: Mapping[str, torch.Tensor], part_bytes: int | None = None
-) -> Encoded:
+def encode_payload(tensors: Mapping[str, torch.Tensor], part_bytes: int | None = None) -> Encoded:
     """Serialise ``tensors`` as stored: one blob up to ``part_bytes`` (default
     :data:`PART_BYTES`), else parts (joined and hashed side by side on worker threads) and
     their index."""
+    pieces, size = _stream(tensors)
+    groups = _groups(pieces, size, part_bytes)
+    if len(groups) == 1:
+        key, data = _join_hashing(pieces, size)
+        return Encoded(key, size, ((key, data),))
+    pool = _workers()
+    parts = [future.result() for future in [pool.submit(_join_then_hash, g) for g in groups]]
+    key, index = _index(size, parts)
+    return Encoded(key, size, (*parts, (key, index)))
+
+
+def _groups(pieces: list[memoryview], size: int, part_bytes: int | None) -> list[list[memoryview]]:
+    """The stream's parts: all of it when it fits ``part_bytes``."""
     if part_bytes is None:
         part_bytes = PART_BYTES
     if part_bytes < 1:
         raise ValueError(f"part_bytes must be positive, not {part_bytes}")
-    pieces, size = _stream(tensors)
     if size <= part_bytes:
-        key, data = _join_hashing(pieces, size)
-        return Encoded(key, size, ((key, data),))
-    groups = _cut(pieces, part_bytes)
-    if len(groups) > MAX_PARTS:
+        return [pieces]
+    if -(-size // part_bytes) > MAX_PARTS:
         raise ValueError(f"{size} bytes in parts of {part_bytes} would take over {MAX_PARTS}")
-    pool = _workers()
-    parts = [future.result() for future in [pool.submit(_join_then_hash, g) for g in groups]]
+    return _cut(pieces, part_bytes)
+
+
+def _index(size: int, parts: Sequence[tuple[str, bytes] | tuple[str, int]]) -> tuple[str, bytes]:
     wire: IndexWire = {
         "format": PARTS_FORMAT,
         "size": size,
-        "parts": [{"key": key, "size": len(data)} for key, data in parts],
+        "parts": [
+            {"key": key, "size": data if isinstance(data, int) else len(data)}
+            for key, data in parts
+        ],
     }
     index = json.dumps(wire, separators=(",", ":")).encode()
-    key = parts_key(hashlib.sha256(index).hexdigest())
-    return Encoded(key, size, (*parts, (key, index)))
+    return parts_key(hashlib.sha256(index).hexdigest()), index
 
 
 _OVERLAP_BYTES = 4 * 1024 * 1024
@@ -231,13 +243,25 @@ class _Stream:
             chunk = self.chunks[i]
             if start <= begin and end <= start + len(chunk):
                 return chunk, begin - start
-        pieces = []
+        return b"".join(memoryview(c)[at : at + n] for c, at, n, _ in self.pieces(begin, end)), 0
+
+    def pieces(self, begin: int, end: int) -> list[tuple[bytes, int, int, int]]:
+        """The chunks bytes ``begin:end`` lie in: ``(chunk, offset, length, position in the
+        range)`` each."""
+        found = []
         for i, start in enumerate(self.starts):
             chunk = self.chunks[i]
             lo, hi = max(begin, start), min(end, start + len(chunk))
             if lo < hi:
-                pieces.append(memoryview(chunk)[lo - start : hi - start])
-        return b"".join(pieces), 0
+                found.append((chunk, lo - start, hi - lo, lo - begin))
+        return found
+
+    def copy_into(self, begin: int, end: int, target: torch.Tensor) -> None:
+        """Copy bytes ``begin:end`` into the contiguous ``target`` (torch copies release the
+        GIL; no intermediate buffer)."""
+        raw = target.view(-1).view(torch.uint8)
+        for chunk, at, n, pos in self.pieces(begin, end):
+            raw[pos : pos + n].copy_(torch.frombuffer(chunk, dtype=torch.uint8, count=n, offset=at))
 
 
 def _layout(key: str, stream: _Stream) -> tuple[int, dict[str, Any]]:
@@ -268,10 +292,16 @@ def decode(
 
 
 def _tensors(
-    key: str, stream: _Stream, expect: Sequence[TensorSpec] | None
+    key: str,
+    stream: _Stream,
+    expect: Sequence[TensorSpec] | None,
+    into: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
+    """The tensors in ``stream``: views into its chunks (a tensor that straddles two is copied
+    into fresh memory), or, with ``into``, copied into those tensors. Everything is
+    validated before anything is created or written."""
     start, header = _layout(key, stream)
-    tensors: dict[str, torch.Tensor] = {}
+    entries: dict[str, tuple[torch.dtype, list[int], int, int, int]] = {}
     for name, info in header.items():
         try:
             dtype = _BY_NAME[str(info["dtype"])]
@@ -285,28 +315,54 @@ def _tensors(
         itemsize = torch.empty(0, dtype=dtype).element_size()
         if begin < 0 or end - begin != count * itemsize or start + end > stream.size:
             raise ProtocolError(f"{key}: {name!r} has inconsistent offsets or shape")
-        if count == 0:
-            tensors[name] = torch.empty(shape, dtype=dtype)
-        else:
-            buffer, at = stream.view(start + begin, start + end)
-            tensors[name] = torch.frombuffer(buffer, dtype=dtype, count=count, offset=at).reshape(
-                shape
-            )
+        entries[name] = (dtype, shape, count, start + begin, start + end)
     if expect is not None:
         wanted = {spec.name: spec for spec in expect}
-        if set(tensors) != set(wanted):
-            missing = sorted(set(wanted) - set(tensors))[:3]
-            extra = sorted(set(tensors) - set(wanted))[:3]
+        if set(entries) != set(wanted):
+            missing = sorted(set(wanted) - set(entries))[:3]
+            extra = sorted(set(entries) - set(wanted))[:3]
             raise ProtocolError(
                 f"{key}: tensors differ from the manifest (missing {missing}, unexpected {extra})"
             )
-        for name, tensor in tensors.items():
+        for name, (dtype, shape, *_) in entries.items():
             spec = wanted[name]
-            if tuple(tensor.shape) != spec.shape or str(tensor.dtype) != spec.dtype:
+            if tuple(shape) != spec.shape or str(dtype) != spec.dtype:
                 raise ProtocolError(
-                    f"{key}: {name} is {tensor.dtype}{list(tensor.shape)}, the manifest "
-                    f"says {spec.dtype}{list(spec.shape)}"
+                    f"{key}: {name} is {dtype}{shape}, the manifest says "
+                    f"{spec.dtype}{list(spec.shape)}"
                 )
+    if into is not None:
+        if set(into) != set(entries):
+            raise ValueError(
+                f"{key}: into= holds {sorted(into)[:3]}…, the payload {sorted(entries)[:3]}…"
+            )
+        for name, (dtype, shape, *_) in entries.items():
+            target = into[name]
+            if target.dtype != dtype or list(target.shape) != shape:
+                raise ValueError(
+                    f"{key}: into[{name!r}] is {target.dtype}{list(target.shape)}, the payload "
+                    f"holds {dtype}{shape}"
+                )
+            if not target.is_contiguous() or target.device.type != "cpu":
+                raise ValueError(f"{key}: into[{name!r}] must be a contiguous CPU tensor")
+        with torch.no_grad():
+            for name, (_, _, count, begin, end) in entries.items():
+                if count:
+                    stream.copy_into(begin, end, into[name])
+        return dict(into)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, (dtype, shape, count, begin, end) in entries.items():
+        if count == 0:
+            tensors[name] = torch.empty(shape, dtype=dtype)
+            continue
+        pieces = stream.pieces(begin, end)
+        if len(pieces) == 1:
+            chunk, at, _, _ = pieces[0]
+            view = torch.frombuffer(chunk, dtype=dtype, count=count, offset=at)
+            tensors[name] = view.reshape(shape)
+        else:  # straddles parts: into fresh memory, by torch copies (no GIL held)
+            tensors[name] = torch.empty(shape, dtype=dtype)
+            stream.copy_into(begin, end, tensors[name])
     return tensors
 
 
@@ -317,32 +373,52 @@ async def put_tensors(box: Mailbox, tensors: Mapping[str, torch.Tensor]) -> tupl
     Encoding runs in worker threads: the calling loop keeps serving (beats, polls), and two
     payloads (a commit's parameters and momentum) encode side by side.
     """
-    encoded = await asyncio.to_thread(encode_payload, tensors)
-    *parts, (key, index) = encoded.objects
-    if parts:
-        limit = asyncio.Semaphore(_TRANSFERS)
+    pieces, size = await asyncio.to_thread(_stream, tensors)  # .contiguous() may copy
+    groups = _groups(pieces, size, None)
+    if len(groups) == 1:
+        key, data = await asyncio.to_thread(_join_hashing, pieces, size)
+        await box.put_if_absent(key, data)  # False: the same bytes are already there
+        return key, size
+    # Each part is stored as soon as a worker has joined and hashed it: the writes of the
+    # first parts overlap the encoding of the later ones.
+    loop = asyncio.get_running_loop()
+    limit = asyncio.Semaphore(_TRANSFERS)
 
-        async def put(part_key: str, data: bytes) -> None:
-            async with limit:
-                await box.put_if_absent(part_key, data)  # False: the same bytes are there
+    async def part(group: list[memoryview]) -> tuple[str, int]:
+        part_key, data = await loop.run_in_executor(_workers(), _join_then_hash, group)
+        async with limit:
+            await box.put_if_absent(part_key, data)
+        return part_key, len(data)
 
-        await asyncio.gather(*(put(k, d) for k, d in parts))
+    parts = await asyncio.gather(*(part(g) for g in groups))
     # The index last: whoever can read it (a record names it only after this returns, but a
     # sweeper lists blobs/ at any time) finds every part it names already stored.
+    key, index = _index(size, parts)
     await box.put_if_absent(key, index)
-    return encoded.key, encoded.size
+    return key, size
 
 
 async def get_tensors(
-    box: Mailbox, key: str, expect: Sequence[TensorSpec] | None = None
+    box: Mailbox,
+    key: str,
+    expect: Sequence[TensorSpec] | None = None,
+    *,
+    into: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Read, verify and decode the payload ``key`` names (a blob, or a part index and its
-    parts, fetched concurrently and verified on worker threads)."""
+    parts, fetched concurrently and verified on worker threads).
+
+    Returns read-only views into the received bytes; with ``into`` (contiguous CPU tensors
+    of the payload's names, dtypes and shapes: a model's parameters, a reused buffer), the
+    bytes are copied into those instead, once every part is verified, and they are
+    returned. Nothing is written into ``into`` when anything fails.
+    """
     data = await _get(box, key)
     if not is_parts_key(key):
         if len(data) < _OVERLAP_BYTES:
-            return decode(key, data, expect)
-        return await asyncio.to_thread(decode, key, data, expect)  # hashing releases the GIL
+            verify_blob(key, data)
+            return _tensors(key, _Stream([data]), expect, into)
+        return await asyncio.to_thread(_verified_tensors, key, data, expect, into)
     parts = parse_index(key, data)
     limit = asyncio.Semaphore(_TRANSFERS)
 
@@ -357,8 +433,18 @@ async def get_tensors(
         return blob
 
     chunks = await asyncio.gather(*(fetch(part) for part in parts))
-    # A thread: a tensor that straddles two parts is joined (copied) here.
-    return await asyncio.to_thread(_tensors, key, _Stream(chunks), expect)
+    # A thread: straddling tensors (or everything, with ``into``) are copied here.
+    return await asyncio.to_thread(_tensors, key, _Stream(chunks), expect, into)
+
+
+def _verified_tensors(
+    key: str,
+    data: bytes,
+    expect: Sequence[TensorSpec] | None,
+    into: Mapping[str, torch.Tensor] | None,
+) -> dict[str, torch.Tensor]:
+    verify_blob(key, data)  # hashing releases the GIL: a thread, not the loop
+    return _tensors(key, _Stream([data]), expect, into)
 
 
 async def _get(box: Mailbox, key: str, of: str | None = None) -> bytes:

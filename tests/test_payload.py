@@ -232,3 +232,40 @@ def test_parts_are_swept_with_their_payload_but_shared_parts_are_spared(
     assert newest.round >= 2 * ALGORITHM.fragments
     checked = asyncio.run(verify_commit(box, newest.round))  # keys recomputed from parts
     assert checked.contributors == ("a",)
+
+
+@pytest.mark.parametrize("part_bytes", [1 << 30, 512, 100])
+def test_get_tensors_into_existing_memory(monkeypatch: pytest.MonkeyPatch, part_bytes: int) -> None:
+    """``into=``: the payload lands in the given tensors (one blob, or parts, straddling
+    tensors included) and those same tensors are returned."""
+    monkeypatch.setattr(payload, "PART_BYTES", part_bytes)
+    box = gm.MemoryMailbox()
+    key, _ = asyncio.run(payload.put_tensors(box, BIG))
+    into = {name: torch.zeros_like(t) for name, t in BIG.items()}
+    pointers = {name: t.data_ptr() for name, t in into.items()}
+    got = asyncio.run(payload.get_tensors(box, key, into=into))
+    for name, tensor in BIG.items():
+        assert got[name] is into[name]
+        assert got[name].data_ptr() == pointers[name]
+        assert torch.equal(into[name], tensor), name
+
+
+def test_nothing_is_written_into_existing_memory_when_a_part_is_bad(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(payload, "PART_BYTES", 512)
+    box = gm.MemoryMailbox()
+    key, _ = asyncio.run(payload.put_tensors(box, BIG))
+    stored = _stored(box)
+    last = json.loads(stored[key])["parts"][-1]["key"]
+    broken = _tamper(box, last, bytes([stored[last][0] ^ 1]) + stored[last][1:])
+    into = {name: torch.zeros_like(t) for name, t in BIG.items()}
+    with pytest.raises(gm.PayloadCorrupt):
+        asyncio.run(payload.get_tensors(broken, key, into=into))
+    assert all(not t.any() for t in into.values())  # every part is verified before any copy
+    wrong = {**into, "a": torch.zeros(299)}
+    with pytest.raises(ValueError, match=r"into\['a'\] is torch.float32\[299\]"):
+        asyncio.run(payload.get_tensors(box, key, into=wrong))
+    with pytest.raises(ValueError, match="into= holds"):
+        asyncio.run(payload.get_tensors(box, key, into={"a": into["a"]}))
+    assert all(not t.any() for t in into.values())
