@@ -6,7 +6,7 @@ little-endian buffers, so bytes read from a shared bucket cannot run code. A pay
 mismatch) and the layout the reader expects (:class:`ProtocolError`). Writing the same
 tensors twice writes one object.
 
-A payload larger than :data:`PART_BYTES` is stored in parts: consecutive byte ranges of the
+A payload larger than :data:`PART_BYTES` (16 MiB) is stored in parts: consecutive byte ranges of the
 same safetensors stream, each a blob named by its own sha256, plus a small JSON index
 (``blobs/{sha256 of the index}.parts``) naming them in order; records name the index. Parts
 are hashed on several cores and transferred concurrently, in both directions (one sha256
@@ -62,9 +62,13 @@ __all__ = [
     "put_tensors",
 ]
 
-PART_BYTES = 32 * 1024 * 1024
+PART_BYTES = 16 * 1024 * 1024
 """Payloads above this many bytes are stored as parts of this size (the last one shorter).
-Part of the key scheme: the same tensors give the same keys only under the same value."""
+Part of the key scheme: the same tensors give the same keys only under the same value.
+16 MiB, not more: glibc serves allocations above its dynamic mmap threshold (at most
+32 MiB) with fresh mappings, page-faulted in on every use; below it, a freed part's memory
+is reused. Measured here (400 MB, filesystem): 0.55 GB/s end to end with 32 MiB parts,
+0.96 GB/s with 16 MiB."""
 _TRANSFERS = 4  # part transfers in flight per payload
 
 if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for
