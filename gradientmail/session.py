@@ -37,7 +37,7 @@ from gradientmail._layout import ModelLayout
 from gradientmail._leases import LeaseTracker
 from gradientmail._metered import Metered
 from gradientmail._retry import Stopped, retrying
-from gradientmail._threads import run_coroutine
+from gradientmail._threads import Wake, run_coroutine
 from gradientmail.algorithms.diloco import DiLoCo
 from gradientmail.errors import ProtocolError
 from gradientmail.events import (
@@ -189,7 +189,8 @@ class Session:
         self._fast: dict[int, dict[str, torch.Tensor]] = {}  # rounds this node closed
         self._beat_no = 0
         self._oldest_beat = 0
-        self._wake_sync = threading.Event()
+        self._wake_sync = Wake()  # this learner published or committed: look for commits
+        self._wake_comm = Wake()  # step() handed a fragment over
         self._closed = False
 
         self.creator = run_coroutine(self._join(float(join_timeout)))
@@ -249,6 +250,7 @@ class Session:
         with self._lock:
             self._inflight[fragment] = pending
             self._outbox.append(pending)
+        self._wake_comm.set()
 
     def close(self, timeout: float | None = None) -> None:
         """Wait for this learner's rounds in flight to commit, then leave the run."""
@@ -397,15 +399,17 @@ class Session:
 
         asyncio.run(main())
 
-    async def _pause(self, seconds: float, wake: threading.Event | None = None) -> bool:
+    async def _pause(self, seconds: float, wake: Wake | None = None) -> bool:
         """Sleep ``seconds``, or less when stopped or woken; True when ``wake`` ended it."""
         end = time.monotonic() + seconds
         while not self._stop.is_set() and (left := end - time.monotonic()) > 0:
-            if wake is not None and wake.is_set():
-                wake.clear()
-                return True
-            await asyncio.sleep(min(left, 0.02 if wake is not None else 0.05))
-        return False
+            if wake is not None:
+                if wake.consume():
+                    return True
+                await wake.wait(min(left, 0.05))
+            else:
+                await asyncio.sleep(min(left, 0.05))
+        return wake is not None and wake.consume()
 
     def _emit(self, event: Event) -> None:
         with self._lock:
@@ -458,7 +462,7 @@ class Session:
                 return
             except Exception as exc:
                 self._emit(PollFailed(self.learner_id, error=f"communication: {exc!r}"))
-            await self._pause(_TICK)
+            await self._pause(_TICK, wake=self._wake_comm)
 
     async def _publish(self, pending: _Pending) -> None:
         if pending.cancelled:
@@ -521,6 +525,7 @@ class Session:
                 self._counters.closed += 1
                 if outcome.params is not None:
                     self._fast[outcome.commit.round] = outcome.params
+            self._wake_sync.set()  # the record is written: the syncer stages it now
             if outcome.params is not None:
                 try:
                     await self._closer.sweep(outcome.commit)

@@ -420,3 +420,27 @@ def test_the_syncer_looks_for_an_awaited_commit_at_most_a_quarter_of_its_wait_la
         assert seen - landed <= min(poll_interval, max(0.025, 0.25 * seen)) + 1e-9
     # A small poll_interval wins over the first look.
     assert _poll_delay(0.0, 0.01) == 0.01
+
+
+def test_a_wake_raised_from_another_thread_ends_the_wait_at_once() -> None:
+    """The hand-over from step() (or a commit) reaches the waiting loop without a polling
+    slice: a wait of ten minutes ends when another thread raises the flag (the suite's
+    timeout fails this test if it does not)."""
+    from gradientmail._threads import Wake
+
+    wake = Wake()
+    waiting = threading.Event()
+
+    async def waiter() -> bool:
+        await wake.wait(0.001)  # binds the loop, times out: not raised
+        assert not wake.consume()
+        waiting.set()
+        await wake.wait(600)
+        return wake.consume()
+
+    raiser = threading.Thread(target=lambda: (waiting.wait(60), wake.set()))
+    raiser.start()
+    assert asyncio.run(waiter())
+    raiser.join(timeout=60)
+    wake.set()  # the loop is closed now: raising is still safe, and leaves the flag up
+    assert wake.consume()
