@@ -20,6 +20,7 @@ from functools import partial
 import torch
 
 from gradientmail import protocol as p
+from gradientmail._buffers import BufferPool
 from gradientmail._layout import ModelLayout
 from gradientmail._leases import LeaseTracker
 from gradientmail._parts import blob_keys
@@ -73,6 +74,7 @@ class RoundCloser:
         self._watch: dict[int, _Watch] = {}
         self._records: dict[int, p.Commit] = {}
         self._momentum: dict[int, tuple[str, dict[str, torch.Tensor]]] = {}
+        self._params_out = BufferPool()
         self._claims: dict[str, str] = {}
 
     def forget(self, r: int) -> None:
@@ -230,16 +232,15 @@ class RoundCloser:
         # or the next round, would silently combine with the wrong momentum. A buffer whose
         # upload failed is dropped, never reused: gather lets the other payload's encode run
         # on, reading it. Downloaded momentum is never written (a read-only view of the
-        # mailbox's bytes). The new parameters are never reused: the training thread gets
-        # them (staged, applied, then kept as the reference and as the base of this
-        # fragment's next round), holding references the closer cannot see.
-        out = None
+        # mailbox's bytes). The new parameters go to the training thread (staged, applied,
+        # then kept as the reference and as the base of this fragment's next round), which
+        # holds references the closer cannot see: they come from a pool that reuses a
+        # buffer only once no tensor anywhere still refers to its storage (_buffers.py).
+        params_out = self._params_out.take(fragment, base_params)
         if taken is not None:
-            fresh = {
-                name: torch.empty(value.shape, dtype=torch.float32, device=value.device)
-                for name, value in base_params.items()
-            }
-            out = (fresh, taken[1])
+            out = (params_out, taken[1])
+        else:
+            out = (params_out, {name: torch.empty_like(t) for name, t in params_out.items()})
         params, new_momentum = self.algorithm.combine(base_params, momentum, contributions, out=out)
         (params_key, _), (momentum_key, _) = await asyncio.gather(
             retrying(partial(put_tensors, self.box, params)),

@@ -167,3 +167,28 @@ def test_a_failed_close_leaves_no_overwritten_momentum_behind(failure: str) -> N
         assert fx.momentum_buffer() == buffer
     fx.check(fx.close(3, fx.snapshots(3)))
     fx.check(first)  # the retry downloaded round 1's momentum: it must not write into it
+
+
+def test_new_parameter_buffers_are_reused_only_once_nothing_refers_to_them() -> None:
+    """The training thread keeps only the newest commit's parameters (its reference), so a
+    buffer two rounds old is free again and reused; one still viewed anywhere (here a numpy
+    array over one tensor, as an encoder's memoryview would be) is not."""
+    fx = Fixture()
+    pool = fx.closer._params_out
+    pointers: list[int] = []
+    for r in (1, 2, 3, 4, 5):
+        outcome = fx.close(r, fx.snapshots(r))
+        fx.check(outcome)
+        pointers.append(outcome.params["weight"].data_ptr() if outcome.params else 0)
+        del outcome  # like the training thread: only fx.params (the newest) stays
+    assert pool.reused >= 2
+    assert len(set(pointers)) < len(pointers)  # the same memory served several rounds
+    # Now keep an outside reference to the newest parameters' storage and drop fx.params.
+    newest = fx.params
+    alias = newest["bias"].numpy()
+    want = alias.copy()
+    fx.params = {k: v.clone() for k, v in newest.items()}
+    del newest
+    for r in (6, 7, 8):
+        fx.check(fx.close(r, fx.snapshots(r)))
+    assert (alias == want).all()  # never written while the alias lived
