@@ -1,4 +1,5 @@
-"""Fragment-sized buffers the closer writes new parameters into, reused once released.
+"""Fragment-sized buffers, reused once released: the closer's new parameters, the
+snapshots step() copies out.
 
 A fresh fragment-sized tensor is mapped and page-faulted in on first touch: on the machines
 benchmarked here, filling fresh memory runs at about a fifth of memcpy, which is most of a
@@ -30,16 +31,18 @@ def _count(tensor: torch.Tensor) -> int:
 
 
 class _Set:
-    def __init__(self, like: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, like: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> None:
         self.tensors = {
-            name: torch.empty(value.shape, dtype=torch.float32, device=value.device)
+            name: torch.empty(value.shape, dtype=dtype or value.dtype, device=value.device)
             for name, value in like.items()
         }
         self.idle = {name: _count(t) for name, t in self.tensors.items()}
 
-    def fits(self, like: Mapping[str, torch.Tensor]) -> bool:
+    def fits(self, like: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> bool:
         return self.tensors.keys() == like.keys() and all(
-            self.tensors[name].shape == value.shape and self.tensors[name].device == value.device
+            self.tensors[name].shape == value.shape
+            and self.tensors[name].device == value.device
+            and self.tensors[name].dtype == (dtype or value.dtype)
             for name, value in like.items()
         )
 
@@ -51,7 +54,7 @@ class _Set:
 
 
 class BufferPool:
-    """Up to ``per_key`` sets of float32 buffers per key (a fragment)."""
+    """Up to ``per_key`` sets of buffers per key (a fragment)."""
 
     def __init__(self, per_key: int = 3) -> None:
         self.per_key = per_key
@@ -59,20 +62,25 @@ class BufferPool:
         self.reused = 0
         self.allocated = 0
 
-    def take(self, key: int, like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Float32 tensors shaped as ``like``: a released set's views, else fresh ones (kept
-        for later reuse while the pool has room)."""
+    def take(
+        self,
+        key: int,
+        like: Mapping[str, torch.Tensor],
+        dtype: torch.dtype | None = torch.float32,
+    ) -> dict[str, torch.Tensor]:
+        """Tensors shaped as ``like`` (of ``dtype``; None: ``like``'s): a released set's
+        views, else fresh ones (kept for later reuse while the pool has room)."""
         if _use_count is None:
             self.allocated += 1
-            return _Set(like).tensors
+            return _Set(like, dtype).tensors
         sets = self._sets.setdefault(key, [])
-        sets[:] = [s for s in sets if s.fits(like)]  # the layout never changes; be safe
+        sets[:] = [s for s in sets if s.fits(like, dtype)]  # the layout never changes; be safe
         for candidate in sets:
             if candidate.released():
                 self.reused += 1
                 return candidate.views()
         self.allocated += 1
-        fresh = _Set(like)
+        fresh = _Set(like, dtype)
         if len(sets) < self.per_key:
             sets.append(fresh)
             return fresh.views()

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 
 import torch
 
+from gradientmail._buffers import BufferPool
 from gradientmail.algorithms.diloco import DiLoCo
 from gradientmail.protocol import Manifest, TensorSpec
 
@@ -42,10 +43,18 @@ class ModelLayout:
             self.params[n].numel() * self.params[n].element_size() for n in self.fragments[fragment]
         )
 
-    def copy_out(self, fragment: int) -> dict[str, torch.Tensor]:
-        """A detached copy of the fragment's parameters (safe to keep while training goes on)."""
+    def copy_out(self, fragment: int, pool: BufferPool | None = None) -> dict[str, torch.Tensor]:
+        """A detached copy of the fragment's parameters (safe to keep while training goes on),
+        into buffers from ``pool`` when given (a released copy's memory, not fresh pages)."""
         with torch.no_grad():
-            return {n: self.params[n].detach().clone() for n in self.fragments[fragment]}
+            names = self.fragments[fragment]
+            if pool is None:
+                return {n: self.params[n].detach().clone() for n in names}
+            source = {n: self.params[n].detach() for n in names}
+            copies = pool.take(fragment, source, dtype=None)
+            for name, value in source.items():
+                copies[name].copy_(value)
+            return copies
 
     def load(self, fragment: int, tensors: Mapping[str, torch.Tensor]) -> None:
         """Overwrite the fragment's parameters in place (the optimizer keeps its references)."""

@@ -31,6 +31,7 @@ from types import TracebackType
 import torch
 
 from gradientmail import protocol as p
+from gradientmail._buffers import BufferPool
 from gradientmail._closer import RoundCloser
 from gradientmail._join import establish, load_newest
 from gradientmail._layout import ModelLayout
@@ -178,7 +179,11 @@ class Session:
         # Training-thread state (the lock guards what the background threads also touch).
         self._steps = 0
         self._samples = 0
-        self._since = [0] * self._fragments  # samples since each fragment's last contribution
+        # Samples counted when each fragment last contributed (the next one carries the rest).
+        self._counted = [0] * self._fragments
+        # Local step (mod sync_every) -> the fragment due then: one lookup per step().
+        self._due = {self.algorithm.offset(f): f for f in range(self._fragments)}
+        self._snapshots = BufferPool()  # fragment copies handed to the communication thread
         self._applied = [0] * self._fragments
         self._ref: list[dict[str, torch.Tensor]] = [{} for _ in range(self._fragments)]
         self._inflight: dict[int, _Pending] = {}
@@ -219,16 +224,16 @@ class Session:
         Call it after the optimizer step. It applies commits that arrived (in place, on this
         thread) and, when a fragment is due, copies it for the communication thread.
         """
-        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        # The hot path (most calls): a type check, a flag, two counters, one dict lookup.
+        if type(samples) is not int or samples < 1:
             raise ValueError(f"step(samples={samples!r}): samples must be an int >= 1")
         if self._closed:
             raise RuntimeError("step() on a closed Session")
-        self._apply_staged()
+        if self._staged:
+            self._apply_staged()
         self._steps += 1
         self._samples += samples
-        for index in range(self._fragments):
-            self._since[index] += samples
-        fragment = self.algorithm.due_fragment(self._steps)
+        fragment = self._due.get(self._steps % self.algorithm.sync_every)
         if fragment is None:
             return
         with self._lock:
@@ -242,11 +247,11 @@ class Session:
             round=self._applied[fragment] + self._fragments,
             fragment=fragment,
             base=self._applied[fragment],
-            snapshot=self._layout.copy_out(fragment),
+            snapshot=self._layout.copy_out(fragment, self._snapshots),
             base_params=self._ref[fragment],
-            samples=self._since[fragment],
+            samples=self._samples - self._counted[fragment],
         )
-        self._since[fragment] = 0
+        self._counted[fragment] = self._samples
         with self._lock:
             self._inflight[fragment] = pending
             self._outbox.append(pending)
@@ -380,7 +385,7 @@ class Session:
                         lag = time.monotonic() - pending.published_at
                         self._counters.last_commit_lag_s = lag
                 if not contributed:
-                    self._since[fragment] += pending.samples  # it goes into the next one
+                    self._counted[fragment] -= pending.samples  # it goes into the next one
             self._emit(
                 Applied(
                     self.learner_id,
