@@ -9,8 +9,10 @@ Measured, for a fragment of ``--params`` float32 parameters (default 100M = 400 
   measured in the same run; and, to show what fresh memory costs, the same copy into memory
   allocated per call (``torch.empty_like`` + ``copy_``, the copies alive to the call's end);
 - ``DiLoCo.combine`` in three configurations: both outputs allocated per call (``out=None``);
-  the closer's (``gradientmail/_closer.py``): fresh new-parameter buffers per call, the new
-  momentum written in place over the momentum input (the closer's own cached buffer); and
+  the closer's (``gradientmail/_closer.py``): new parameters into buffers from its
+  ``BufferPool`` (reused once nothing refers to them, as here, where each call's result is
+  dropped: in training, once the training thread moves past that commit), the new momentum
+  written in place over the momentum input (the closer's own cached buffer); and
   both outputs reused across calls (``out=`` the same buffers every call). The three are
   checked bitwise equal;
 - memory: bytes of fresh tensor storage each call allocates (counted by a
@@ -40,6 +42,7 @@ from torch.utils._pytree import tree_leaves
 import gradientmail as gm
 from bench import _harness as h
 from bench._workload import build_model
+from gradientmail._buffers import BufferPool
 
 NAME = "combine"
 
@@ -79,7 +82,7 @@ class AllocationCounter(TorchDispatchMode):
 
 
 ALLOCATED = "combine, outputs allocated per call"
-CLOSER = "combine as the closer: fresh params, momentum in place"
+CLOSER = "combine as the closer: pooled params, momentum in place"
 REUSED = "combine, out= reused across calls"
 FRESH = "memcpy into fresh memory"
 
@@ -118,6 +121,7 @@ def run(ctx: h.Context) -> h.Report:
     # The closer's cached momentum: each call updates it in place (the values drift from
     # call to call, the work does not).
     cached = {k: v.clone() for k, v in momentum.items()}
+    pool = BufferPool()  # the closer's new-parameter buffers
 
     table = report.table(
         f"Combine of one {frag / 1e6:.0f} MB fragment ({params / 1e6:.0f}M float32 "
@@ -135,9 +139,9 @@ def run(ctx: h.Context) -> h.Report:
         note=(
             "Allocated: fresh tensor storage per call, in fragments (1.00 = "
             f"{frag / 1e6:.0f} MB); the outputs are 2.00. The closer (gradientmail/_closer.py) "
-            "allocates the new parameters per call (they go to the training thread) and "
-            "writes the new momentum over its own cached momentum. The three configurations' "
-            "results are checked bitwise equal."
+            "writes the new parameters into pooled buffers, reused once nothing refers to "
+            "them any more, and the new momentum over its own cached momentum. The three "
+            "configurations' results are checked bitwise equal."
         ),
     )
     results: dict[str, Any] = {}
@@ -164,8 +168,8 @@ def run(ctx: h.Context) -> h.Report:
             algorithm.combine(base, momentum, contributions)
 
         def closer(contributions: list[Contribution] = contributions) -> None:
-            fresh = {k: torch.empty(v.shape, dtype=torch.float32) for k, v in base.items()}
-            algorithm.combine(base, cached, contributions, out=(fresh, cached))
+            params_out = pool.take(0, base)
+            algorithm.combine(base, cached, contributions, out=(params_out, cached))
 
         def reuse(contributions: list[Contribution] = contributions) -> None:
             algorithm.combine(base, momentum, contributions, out=reused)
@@ -243,7 +247,7 @@ def run(ctx: h.Context) -> h.Report:
 
     speedups = ", ".join(f"N={n} {took(n, ALLOCATED) / took(n, REUSED):.2f}x" for n in counts)
     report.target(
-        "combine input bandwidth, worst N, as the closer runs it (fresh new-parameter "
+        "combine input bandwidth, worst N, as the closer runs it (pooled new-parameter "
         "buffers, momentum written in place over its cached buffer)",
         f"{100 * worst(CLOSER):.0f}% of memcpy",
         ">= 50% of memcpy",
@@ -267,8 +271,9 @@ def run(ctx: h.Context) -> h.Report:
         "fresh memory, not arithmetic: a fragment-sized tensor is mmap'd per call and "
         "unmapped when freed, so every page faults (and is zeroed by the kernel) on first "
         f"touch; copying into fresh memory runs at {100 * worst(FRESH):.0f}% of memcpy here "
-        "(worst N). The closer reuses only the momentum buffer: it is the closer's alone, "
-        "while the new parameters go to the training thread."
+        "(worst N). The closer reuses its momentum buffer in place and takes new-parameter "
+        "buffers from a pool that hands one out again only once no tensor refers to it "
+        f"(here reused {pool.reused} times, {pool.allocated} allocated)."
     )
     report.data = {"params": params, "fragment_bytes": frag, "reps": reps, "results": results}
     return report
