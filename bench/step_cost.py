@@ -122,8 +122,9 @@ def run(ctx: h.Context) -> h.Report:
         (
             "Per call, amortized: plain calls "
             f"{h.secs(med['plain'] * n['plain'] / total_n)}, fragment copies "
-            f"{h.secs(med['snapshot'] * n['snapshot'] / total_n)} (clone() of the fragment "
-            f"every sync_every calls, {h.secs(med['snapshot'])} each), applies "
+            f"{h.secs(med['snapshot'] * n['snapshot'] / total_n)} (a copy of the fragment "
+            f"into a pooled buffer every sync_every calls, {h.secs(med['snapshot'])} each), "
+            "applies "
             f"{h.secs(med['apply'] * n['apply'] / total_n)}"
         ),
     )
@@ -168,8 +169,9 @@ def run(ctx: h.Context) -> h.Report:
             f"{factor:.1f}x less ({h.secs(per_sync.median)} vs {h.secs(hm_step.median)})",
             ">= 10x less",
             factor >= 10,
-            "step() copies the fragment with clone() (fresh memory each sync) and "
-            "rebases in place (two passes over the fragment)",
+            "step() copies the fragment into a pooled buffer (one pass) and rebases in "
+            "place (two passes over the fragment); hivemind's step() blocks for matchmaking "
+            "and the all-reduce",
         )
     else:
         report.target(
