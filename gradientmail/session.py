@@ -62,9 +62,9 @@ _TICK = 0.02  # how often the communication thread looks for work handed over by
 _FIRST_POLL = 0.025  # the syncer's first look for a commit after this learner published
 # While a commit is awaited, the syncer looks again after this fraction of the time waited so
 # far (at least _FIRST_POLL, at most poll_interval): a commit that lands t seconds after the
-# publish is seen at most t/4 late. Doubling intervals, as before, saw a commit that landed
-# just after the 375 ms look only at 775 ms.
-_POLL_FRACTION = 0.25
+# publish is seen at most t/8 late, for about 8 lists per doubling of the wait. Doubling
+# intervals, as before, saw a commit that landed just after the 375 ms look only at 775 ms.
+_POLL_FRACTION = 0.125
 
 
 def _poll_delay(waited: float, poll_interval: float) -> float:
