@@ -9,6 +9,7 @@ The whole record (machine, load, every number) is written as JSON, by default to
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import json
 import os
@@ -61,6 +62,11 @@ def run_suite(
             module = importlib.import_module(BENCHMARKS[name])
             h.progress(f"== {name}: starting")
             t0 = time.monotonic()
+            # Each benchmark starts on a quiet machine: the previous one's garbage collected
+            # and its dirty pages written back (the gigabytes `rounds` writes otherwise slow
+            # the fsyncs of the next ones for seconds).
+            gc.collect()
+            os.sync()
             try:
                 report: h.Report = module.run(ctx)
             except Exception as exc:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import os
 import statistics
 import threading
 import time
@@ -214,6 +215,7 @@ def run(ctx: h.Context, backend: str, config: Config) -> dict[str, Any]:
     else:
         what = f"the 1M-param MLP, {config.steps} training steps"
     h.progress(f"two learner processes on {backend}: {what}")
+    os.sync()  # earlier runs' dirty pages written back first: they would slow our fsyncs
     with mailbox_for(backend, ctx.workdir) as box:
         barrier = spawn.Barrier(2)
         queue = spawn.Queue()
