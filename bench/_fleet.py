@@ -479,7 +479,8 @@ class Run:
             sum(
                 o.down
                 for o in closing.ops.get(r, [])
-                if purpose is None or self.registry.purpose.get(o.key) == purpose
+                if purpose is None
+                or self.registry.purpose.get(self.registry.payload(o.key)) == purpose
             )
         )
 
@@ -490,7 +491,7 @@ class Run:
         published: dict[tuple[int, str], float] = {}
         claim, record, closer_ops = closing.claim, closing.record, closing.ops
         round_seen: dict[tuple[int, str], float] = {}
-        params_get: dict[tuple[int, str], Op] = {}
+        params_get: dict[tuple[int, str], list[Op]] = defaultdict(list)  # index and parts
         round_by_params = self.registry.params_round
         for op in self.log:
             r = round_of(op.key)
@@ -499,8 +500,10 @@ class Run:
             elif op.op == "get" and op.key.startswith("rounds/") and op.thread == "sync":
                 if r is not None:
                     round_seen.setdefault((r, op.learner), op.start)
-            elif op.op == "get" and op.thread == "sync" and op.key in round_by_params:
-                params_get[(round_by_params[op.key], op.learner)] = op
+            elif op.op == "get" and op.thread == "sync":
+                payload = self.registry.payload(op.key)
+                if payload in round_by_params:
+                    params_get[(round_by_params[payload], op.learner)].append(op)
         applied: dict[tuple[int, str], float] = {}
         for x in learners:
             for at, e in x.events:
@@ -527,9 +530,11 @@ class Run:
                 seen = round_seen.get((r, learner))
                 if seen is not None:
                     phases["syncer: sees the record"].append(seen - record[r])
-                get = params_get.get((r, learner))
-                if get is not None:
-                    phases["syncer: params download"].append(get.end - get.start)
+                gets = params_get.get((r, learner))
+                if gets:
+                    phases["syncer: params download"].append(
+                        max(o.end for o in gets) - min(o.start for o in gets)
+                    )
                 phases["record -> applied"].append(applied[(r, learner)] - record[r])
         return dict(phases)
 

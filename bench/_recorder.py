@@ -34,10 +34,21 @@ class Registry:
         self.purpose: dict[str, str] = {}
         self.closer: dict[int, str] = {}  # round -> the learner whose record won
         self.params_round: dict[str, int] = {}  # params blob -> its round
+        self.part_of: dict[str, str] = {}  # a part's key -> its index (the payload key)
         self.lock = threading.Lock()
 
+    def payload(self, key: str) -> str:
+        """The payload key a blob belongs to: itself, or the index naming it (a part)."""
+        return self.part_of.get(key, key)
+
     def note_put(self, learner: str, key: str, data: bytes, created: bool) -> None:
-        if key.startswith("snapshots/"):
+        if key.startswith("blobs/") and key.endswith(".parts"):
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                parts = [part["key"] for part in json.loads(data)["parts"]]
+                with self.lock:
+                    for part in parts:
+                        self.part_of.setdefault(part, key)
+        elif key.startswith("snapshots/"):
             with contextlib.suppress(ValueError, KeyError):
                 with self.lock:
                     self.purpose.setdefault(json.loads(data)["payload"], "snapshot")
@@ -120,9 +131,10 @@ def purpose_of(op: Op, registry: Registry) -> str:
     """What an operation carried, e.g. ``put snapshot`` or ``get params (closer)``."""
     kind = op.key.partition("/")[0]
     if kind == "blobs" and op.op in ("put", "get"):
-        what = registry.purpose.get(op.key, "blob?")
+        payload = registry.payload(op.key)  # a part counts as its payload
+        what = registry.purpose.get(payload, "blob?")
         if op.op == "get" and what == "params":
-            r = registry.params_round.get(op.key)
+            r = registry.params_round.get(payload)
             closer = registry.closer.get(r) if r is not None else None
             who = "by its closer" if closer == op.learner else op.thread
             return f"get params ({who})"
