@@ -12,6 +12,11 @@ out *views* (new tensor objects over the same storage) and checks each storage's
 against the count it had when only the pool held it. Any view, slice, numpy array or
 detached alias still alive raises that count, so a buffer still read anywhere is never
 written. Without torch's storage use counter (a private function), nothing is reused.
+
+Memory: a pool keeps the sets it made alive (at most ``per_key`` per fragment) between the
+moments they are used; the peak is what allocating per round reached anyway, but the
+trough between rounds no longer drops to it. When every set is busy, a fresh one is made
+and not kept.
 """
 
 from __future__ import annotations

@@ -183,7 +183,9 @@ class Session:
         self._counted = [0] * self._fragments
         # Local step (mod sync_every) -> the fragment due then: one lookup per step().
         self._due = {self.algorithm.offset(f): f for f in range(self._fragments)}
-        self._snapshots = BufferPool()  # fragment copies handed to the communication thread
+        # Fragment copies handed to the communication thread: one is in flight per fragment
+        # at a time, so two sets per fragment suffice (a third would only pin memory).
+        self._snapshots = BufferPool(per_key=2)
         self._applied = [0] * self._fragments
         self._ref: list[dict[str, torch.Tensor]] = [{} for _ in range(self._fragments)]
         self._inflight: dict[int, _Pending] = {}
