@@ -51,6 +51,33 @@ def mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
+# The phases Run._phases splits a commit's latency into, in the order they happen.
+PHASES = [
+    "wait for other learners",
+    "close detection",
+    "closer: payload transfers",
+    "closer: other (records, combine, encode)",
+    "syncer: sees the record",
+    "syncer: params download",
+    "record -> applied",
+]
+
+
+def phase_table(
+    report: h.Report, results: Sequence[Result], columns: Sequence[str], lag_label: str, note: str
+) -> h.Table:
+    """The commit-latency-by-phase table (medians per result), for more rows to be added."""
+    table = report.table(
+        "Commit latency by phase (medians over (round, contributor) pairs)",
+        ["phase", *columns],
+        note=note,
+    )
+    table.add(lag_label, *(h.secs(median(r.lag)) for r in results))
+    for name in PHASES:
+        table.add(name, *(h.secs(median(r.phases.get(name, []))) for r in results))
+    return table
+
+
 # -- targets -------------------------------------------------------------------------------
 
 

@@ -53,7 +53,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import _harness as h
-from bench._fleet import Result, Run, file_target, seaweedfs_target
+from bench._fleet import Result, Run, file_target, phase_table, seaweedfs_target
 from bench._fleet import mean as _mean
 from bench._fleet import median as _median
 from bench._workload import BATCH
@@ -82,15 +82,6 @@ def _config(r: Result) -> str:
 
 CLOSER_WORK = ("put params", "put momentum", "get snapshot", "get momentum", "get params (by")
 CONTRIBUTOR_WORK = ("put snapshot", "get params (sync)")
-PHASES = [
-    "wait for other learners",
-    "close detection",
-    "closer: payload transfers",
-    "closer: other (records, combine, encode)",
-    "syncer: sees the record",
-    "syncer: params download",
-    "record -> applied",
-]
 
 
 def star_floor(learners: int) -> float:
@@ -256,19 +247,16 @@ def build_report(results: list[Result], args: argparse.Namespace) -> h.Report:
         table.add(k, *(f"{r.requests_by.get(k, 0):.2f}" for r in results))
     table.add("total", *(f"{r.requests:.1f}" for r in results))
 
-    table = report.table(
-        "Commit latency by phase (medians over (round, contributor) pairs)",
-        ["phase", *(_config(r) for r in results)],
-        note=(
-            "From this learner's snapshot record (Published) on: until the last contributor's "
-            "snapshot record; until the closer's claim; the closer's blob gets/puts, then the "
-            "rest until its `rounds/` record is written; until each syncer reads that record; "
-            "its params download (non-closers); until the training thread applied the commit."
-        ),
+    table = phase_table(
+        report,
+        results,
+        [_config(r) for r in results],
+        "commit latency (Applied.lag_s)",
+        "From this learner's snapshot record (Published) on: until the last contributor's "
+        "snapshot record; until the closer's claim; the closer's blob gets/puts, then the "
+        "rest until its `rounds/` record is written; until each syncer reads that record; "
+        "its params download (non-closers); until the training thread applied the commit.",
     )
-    table.add("commit latency (Applied.lag_s)", *(h.secs(_median(r.lag)) for r in results))
-    for name in PHASES:
-        table.add(name, *(h.secs(_median(r.phases.get(name, []))) for r in results))
     table.add("raw put+get of one fragment", *(h.secs(r.raw) for r in results))
 
     for r in results:

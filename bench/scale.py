@@ -46,7 +46,15 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import _harness as h
-from bench._fleet import Result, Run, file_target, mean, median, seaweedfs_target
+from bench._fleet import (
+    Result,
+    Run,
+    file_target,
+    mean,
+    median,
+    phase_table,
+    seaweedfs_target,
+)
 
 NAME = "scale"
 MIB = h.MIB
@@ -239,28 +247,16 @@ def build_report(results: list[Result], args: argparse.Namespace) -> h.Report:
             }
         )
 
-    phase_names = [
-        "wait for other learners",
-        "close detection",
-        "closer: payload transfers",
-        "closer: other (records, combine, encode)",
-        "syncer: sees the record",
-        "syncer: params download",
-        "record -> applied",
-    ]
-    table = report.table(
-        "Commit latency by phase (medians over (round, contributor) pairs)",
-        ["phase", *(f"{r.backend} N={r.learners}" for r in results)],
-        note=(
-            "As in benchmark 3: from a learner's snapshot record to the last contributor's; "
-            "to the closer's claim; the closer's blob transfers, and the rest of its work "
-            "until its `rounds/` record; until each syncer reads that record (it polls every "
-            "poll_interval); its params download; until the training thread applied it."
-        ),
+    phase_table(
+        report,
+        results,
+        [f"{r.backend} N={r.learners}" for r in results],
+        "commit latency",
+        "As in benchmark 3: from a learner's snapshot record to the last contributor's; "
+        "to the closer's claim; the closer's blob transfers, and the rest of its work "
+        "until its `rounds/` record; until each syncer reads that record (it polls every "
+        "poll_interval); its params download; until the training thread applied it.",
     )
-    table.add("commit latency", *(h.secs(median(r.lag)) for r in results))
-    for name in phase_names:
-        table.add(name, *(h.secs(median(r.phases.get(name, []))) for r in results))
 
     fits: dict[str, dict[str, Any]] = {}
     table = report.table(
