@@ -21,6 +21,7 @@ __all__ = [
     "Published",
     "RoundFailed",
     "SyncSkipped",
+    "SyncWaited",
 ]
 
 
@@ -52,13 +53,30 @@ class SyncSkipped(Event):
 
 
 @dataclass(frozen=True)
+class SyncWaited(Event):
+    """``step()`` (or ``sync()`` / ``close()``) held the training thread until a commit of
+    ``fragment`` was applied: at a sync point with ``overlap=0``, ``overlap`` steps after
+    one, or at the fragment's next sync point. ``timed_out``: it gave up after the bound
+    (the contribution stays in flight; training went on)."""
+
+    fragment: int
+    round: int
+    step: int
+    seconds: float
+    timed_out: bool
+
+
+@dataclass(frozen=True)
 class Committed(Event):
-    """This learner closed a round (or adopted the record another closer wrote first)."""
+    """This learner closed a round (or adopted the record another closer wrote first).
+
+    ``excluded``: learners whose snapshot the record lists as excluded (unusable)."""
 
     round: int
     fragment: int
     contributors: tuple[str, ...]
     adopted: bool
+    excluded: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -101,5 +119,10 @@ class Counters:
     published: int = 0
     closed: int = 0
     applied: int = 0
-    skipped_syncs: int = 0
+    skipped_syncs: int = 0  # sync points passed without contributing (free_running only)
+    sync_points: int = 0  # sync points training reached (every fragment's, close()/sync() too)
+    waits: int = 0  # times step()/sync()/close() held the training thread for a commit
+    waited_s: float = 0.0  # seconds it held it in all
+    wait_timeouts: int = 0  # waits that gave up after the bound
+    last_inner_steps: int = 0  # local steps the newest contribution covered
     last_commit_lag_s: float | None = None

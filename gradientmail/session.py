@@ -4,19 +4,30 @@ The constructor joins on the calling thread: it creates the run or checks that t
 matches it, then loads the newest commit of every fragment into the model. Two background
 threads follow, each with its own event loop and one shared mailbox:
 
-- the *communication* thread publishes contributions, renews the lease, and closes rounds
-  this learner contributed to (``_closer.py``);
-- the *syncer* polls ``rounds/`` for new commits, verifies them and stages them.
+- the *communication* thread publishes contributions, renews the lease (a task of its own,
+  so a long transfer never starves it), and closes rounds this learner contributed to
+  (``_closer.py``); a round it closes is staged for the training thread at once;
+- the *syncer* polls ``rounds/`` for new commits, verifies them and stages them, record by
+  record and fragment by fragment, so one bad record or one failed download holds back
+  nothing else.
 
-The training thread only ever calls :meth:`Session.step`: it applies staged commits to the
-model (so parameters never change under a running optimizer step; no lock is needed) and,
-when a fragment is due, copies it and hands the copy over. It never waits on the network.
+The training thread calls :meth:`Session.step`: it applies staged commits to the model (so
+parameters never change under a running optimizer step; no lock is needed) and, when a
+fragment is due, copies it and hands the copy over. Every sync point contributes. How late
+its commit may be applied is ``overlap`` (inner steps): with ``overlap=0`` ``step()`` waits
+at the sync point until the round is committed and applied (exact DiLoCo); with
+``overlap=τ`` training runs on and ``step()`` waits only if the commit has not been applied
+``τ`` steps later (or at the fragment's next sync point, whichever comes first). Waits are
+bounded, counted and reported (``SyncWaited``). ``free_running=True`` keeps the old
+behaviour for who wants it: a sync point whose fragment is still in flight is skipped
+(``SyncSkipped``), never waited for.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import re
 import socket
@@ -52,11 +63,14 @@ from gradientmail.events import (
     PublishFailed,
     RoundFailed,
     SyncSkipped,
+    SyncWaited,
 )
 from gradientmail.mailbox import Mailbox
 from gradientmail.payload import get_tensors, put_tensors
 
 __all__ = ["Session"]
+
+_log = logging.getLogger("gradientmail")
 
 _TICK = 0.02  # how often the communication thread looks for work handed over by step()
 _FIRST_POLL = 0.025  # the syncer's first look for a commit after this learner published
@@ -88,6 +102,7 @@ class _Pending:
     snapshot: dict[str, torch.Tensor]
     base_params: dict[str, torch.Tensor]
     samples: int
+    step: int  # the local step at which it was handed over
     payload: str | None = None
     published_at: float | None = None
     cancelled: bool = False
@@ -99,13 +114,34 @@ class _Staged:
     params: dict[str, torch.Tensor]
     mine: frozenset[tuple[int, str]] = field(default_factory=frozenset)  # (round, payload)
 
+    def merged(self, older: _Staged) -> _Staged:
+        """This (newer) commit of a fragment, remembering which of ``older``'s rounds held
+        this learner's contributions: applying the newest alone is enough, its parameters
+        are complete, but the anchor of the rebase depends on whether we contributed."""
+        return replace(self, mine=self.mine | older.mine)
+
+
+_NEVER = 1 << 62  # a step number no run reaches: "no wait due"
+
 
 class Session:
     """Join a run as ``learner_id`` and train ``model`` in it.
 
+    ``overlap``: how many local steps a contribution's commit may be applied late (0: exact
+    DiLoCo, ``step()`` waits at every sync point for its round). A commit applied late
+    keeps the local progress made since the snapshot (``param ← commit + (param −
+    snapshot)``) or, with ``mixing=α``, blends as Streaming DiLoCo does (``param ← α·param
+    + (1 − α)·commit``). ``free_running=True`` never waits: a sync point whose fragment is
+    still in flight is skipped (``SyncSkipped``), so fewer, longer inner phases per commit.
+
     ``quorum_size`` contributions let a round close once ``round_timeout`` seconds passed
     without every live learner contributing. ``lease_timeout`` is how long a learner stays
-    live without a new beat. ``on_event`` is called on background threads.
+    live without a new beat. A closer's claim on a round is honoured for ``claim_timeout``
+    seconds (default ``round_timeout + lease_timeout``) even while its holder is live: a
+    closer that keeps failing is replaced. A wait for a commit gives up after
+    ``wait_timeout`` seconds (default: ``round_timeout`` plus three lease periods, time for a
+    closer to fail over).
+    ``on_event`` is called on background threads.
     """
 
     def __init__(
@@ -115,6 +151,9 @@ class Session:
         algorithm: DiLoCo,
         mailbox: Mailbox,
         learner_id: str | None = None,
+        overlap: int = 0,
+        mixing: float | None = None,
+        free_running: bool = False,
         quorum_size: int = 1,
         round_timeout: float = 10.0,
         poll_interval: float = 0.5,
@@ -122,6 +161,8 @@ class Session:
         lease_timeout: float = 15.0,
         join_timeout: float = 120.0,
         close_timeout: float = 120.0,
+        wait_timeout: float | None = None,
+        claim_timeout: float | None = None,
         keep_rounds: int = 2,
         on_event: Callable[[Event], None] | None = None,
     ) -> None:
@@ -135,6 +176,18 @@ class Session:
         )
         if not isinstance(quorum_size, int) or quorum_size < 1:
             raise ValueError(f"quorum_size must be an int >= 1, not {quorum_size!r}")
+        if type(overlap) is not int or overlap < 0:
+            raise ValueError(f"overlap must be an int >= 0 (inner steps), not {overlap!r}")
+        if mixing is not None and (
+            not isinstance(mixing, int | float) or isinstance(mixing, bool) or not 0 <= mixing < 1
+        ):
+            raise ValueError(f"mixing must be None or a number in [0, 1), not {mixing!r}")
+        if not isinstance(free_running, bool):
+            raise ValueError(f"free_running must be a bool, not {free_running!r}")
+        if claim_timeout is None:
+            claim_timeout = round_timeout + lease_timeout
+        if wait_timeout is None:
+            wait_timeout = round_timeout + 3 * lease_timeout
         for name, value in (
             ("round_timeout", round_timeout),
             ("poll_interval", poll_interval),
@@ -142,6 +195,8 @@ class Session:
             ("lease_timeout", lease_timeout),
             ("join_timeout", join_timeout),
             ("close_timeout", close_timeout),
+            ("wait_timeout", wait_timeout),
+            ("claim_timeout", claim_timeout),
         ):
             if not isinstance(value, int | float) or value <= 0:
                 raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
@@ -152,9 +207,13 @@ class Session:
         self.model = model
         self._layout = ModelLayout(model, algorithm)
         self._fragments = self._layout.count
+        self.overlap = overlap
+        self.mixing = None if mixing is None else float(mixing)
+        self.free_running = free_running
         self.poll_interval = float(poll_interval)
         self.idle_poll_interval = max(float(idle_poll_interval), self.poll_interval)
         self.close_timeout = float(close_timeout)
+        self.wait_timeout = float(wait_timeout)
         self._on_event = on_event
         self._lock = threading.Lock()
         self._changed = threading.Event()
@@ -162,6 +221,9 @@ class Session:
         self._counters = Counters()
         self.events: deque[Event] = deque(maxlen=1000)
         self._box = Metered(mailbox, self._counters, self._lock)
+        # The closer's events wait until its commit is staged: a slow on_event must not
+        # delay the hand-over of the new parameters (the syncer would download them).
+        self._closer_events: list[Event] = []
         self._tracker = LeaseTracker(lease_timeout)
         self._beat_interval = lease_timeout / 3
         self._closer = RoundCloser(
@@ -173,7 +235,8 @@ class Session:
             quorum_size=quorum_size,
             round_timeout=round_timeout,
             keep_rounds=keep_rounds,
-            emit=self._emit,
+            claim_timeout=float(claim_timeout),
+            emit=self._closer_events.append,
         )
 
         # Training-thread state (the lock guards what the background threads also touch).
@@ -181,8 +244,11 @@ class Session:
         self._samples = 0
         # Samples counted when each fragment last contributed (the next one carries the rest).
         self._counted = [0] * self._fragments
+        self._contributed_at = [0] * self._fragments  # local step of each one's last
         # Local step (mod sync_every) -> the fragment due then: one lookup per step().
         self._due = {self.algorithm.offset(f): f for f in range(self._fragments)}
+        # The local step at which step() must next wait for an in-flight commit (overlap).
+        self._wait_at = _NEVER
         # Fragment copies handed to the communication thread: one is in flight per fragment
         # at a time, so two sets per fragment suffice (a third would only pin memory).
         self._snapshots = BufferPool(per_key=2)
@@ -190,10 +256,11 @@ class Session:
         self._ref: list[dict[str, torch.Tensor]] = [{} for _ in range(self._fragments)]
         self._inflight: dict[int, _Pending] = {}
         self._outbox: deque[_Pending] = deque()
-        self._staged: list[_Staged] = []
-        self._known = [0] * self._fragments  # newest commit per fragment seen by the syncer
-        self._committed: set[int] = set()
-        self._fast: dict[int, dict[str, torch.Tensor]] = {}  # rounds this node closed
+        # At most one staged commit per fragment: a newer one replaces (merges) the older,
+        # so memory stays bounded however long step() is not called.
+        self._staged: dict[int, _Staged] = {}
+        self._known = [0] * self._fragments  # newest commit per fragment seen or staged
+        self._bad: set[str] = set()  # round records reported unreadable (reported once)
         self._beat_no = 0
         self._oldest_beat = 0
         self._wake_sync = Wake()  # this learner published or committed: look for commits
@@ -224,9 +291,11 @@ class Session:
         """Count one local training step over ``samples`` samples; sync when due.
 
         Call it after the optimizer step. It applies commits that arrived (in place, on this
-        thread) and, when a fragment is due, copies it for the communication thread.
+        thread) and, when a fragment is due, copies it for the communication thread. It
+        waits for a commit only where ``overlap`` says so (see the class docstring).
         """
-        # The hot path (most calls): a type check, a flag, two counters, one dict lookup.
+        # The hot path (most calls): a type check, a flag, two counters, a comparison and
+        # one dict lookup.
         if type(samples) is not int or samples < 1:
             raise ValueError(f"step(samples={samples!r}): samples must be an int >= 1")
         if self._closed:
@@ -235,49 +304,44 @@ class Session:
             self._apply_staged()
         self._steps += 1
         self._samples += samples
+        if self._steps >= self._wait_at:
+            self._wait_due()
         fragment = self._due.get(self._steps % self.algorithm.sync_every)
         if fragment is None:
             return
-        with self._lock:
-            busy = fragment in self._inflight
-            if busy:
-                self._counters.skipped_syncs += 1
-        if busy:
-            self._emit(SyncSkipped(self.learner_id, fragment=fragment, step=self._steps))
-            return
-        pending = _Pending(
-            round=self._applied[fragment] + self._fragments,
-            fragment=fragment,
-            base=self._applied[fragment],
-            snapshot=self._layout.copy_out(fragment, self._snapshots),
-            base_params=self._ref[fragment],
-            samples=self._samples - self._counted[fragment],
-        )
-        self._counted[fragment] = self._samples
-        with self._lock:
-            self._inflight[fragment] = pending
-            self._outbox.append(pending)
-        self._wake_comm.set()
+        self._sync_point(fragment)
+
+    def sync(self, timeout: float | None = None) -> tuple[int, ...]:
+        """Contribute every fragment's steps since its last contribution now, and wait
+        until those commits are applied; for evaluation and checkpoints.
+
+        Returns :attr:`rounds`. Raises ``TimeoutError`` when a commit is not applied within
+        ``timeout`` seconds (default ``wait_timeout``); the contributions stay in flight.
+        """
+        if self._closed:
+            raise RuntimeError("sync() on a closed Session")
+        limit = self.wait_timeout if timeout is None else float(timeout)
+        waiting = self._contribute_all(time.monotonic() + limit)
+        if waiting:
+            raise TimeoutError(
+                f"Session.sync(): rounds {waiting} of learner {self.learner_id} were not "
+                f"applied within {limit:.0f} s"
+            )
+        return self.rounds
 
     def close(self, timeout: float | None = None) -> None:
-        """Wait for this learner's rounds in flight to commit, then leave the run."""
+        """Contribute the steps since each fragment's last sync point, wait for this
+        learner's rounds in flight to commit, then leave the run."""
         if self._closed:
             return
         limit = self.close_timeout if timeout is None else timeout
-        deadline = time.monotonic() + limit
-        waiting: list[int] = []
-        while True:
-            self._apply_staged()
-            with self._lock:
-                waiting = sorted(pending.round for pending in self._inflight.values())
-            if not waiting or time.monotonic() > deadline:
-                break
-            self._changed.wait(0.05)
-            self._changed.clear()
-        self._closed = True
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(timeout=60)
+        try:
+            waiting = self._contribute_all(time.monotonic() + limit)
+        finally:
+            self._closed = True
+            self._stop.set()
+            for thread in self._threads:
+                thread.join(timeout=60)
         try:
             run_coroutine(self._beat(leaving=True, deadline=time.monotonic() + 30))
         except Exception as exc:  # the lease will lapse on its own
@@ -298,11 +362,11 @@ class Session:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        try:
-            self.close()
-        except TimeoutError:
-            if exc is None:
-                raise
+        if exc is not None:
+            # Training failed: leave without contributing (or waiting for) its last steps.
+            self._abandon()
+            return
+        self.close()
 
     def counters(self) -> Counters:
         """A copy of the traffic and progress counters."""
@@ -324,12 +388,150 @@ class Session:
         """The round of the commit currently applied, per fragment."""
         return tuple(self._applied)
 
+    # -- the training-thread side ------------------------------------------------------------
+
+    def _sync_point(self, fragment: int) -> None:
+        """``fragment`` is due at this step: contribute it (waiting first if its previous
+        contribution is still in flight, unless free-running)."""
+        with self._lock:
+            self._counters.sync_points += 1
+            busy = fragment in self._inflight
+            if busy and self.free_running:
+                self._counters.skipped_syncs += 1
+        if busy:
+            if self.free_running:
+                self._emit(SyncSkipped(self.learner_id, fragment=fragment, step=self._steps))
+                return
+            # Never drop a sync point: wait for the previous round of this fragment.
+            if not self._await(fragment, time.monotonic() + self.wait_timeout):
+                # Gave up (reported as SyncWaited(timed_out=True)): this sync point passes
+                # uncontributed, its steps go into the next one.
+                with self._lock:
+                    self._counters.skipped_syncs += 1
+                return
+        self._hand_over(fragment)
+        if self.overlap == 0 and not self.free_running:
+            self._await(fragment, time.monotonic() + self.wait_timeout)
+
+    def _hand_over(self, fragment: int) -> None:
+        pending = _Pending(
+            round=self._applied[fragment] + self._fragments,
+            fragment=fragment,
+            base=self._applied[fragment],
+            snapshot=self._layout.copy_out(fragment, self._snapshots),
+            base_params=self._ref[fragment],
+            samples=self._samples - self._counted[fragment],
+            step=self._steps,
+        )
+        inner = self._steps - self._contributed_at[fragment]
+        self._counted[fragment] = self._samples
+        self._contributed_at[fragment] = self._steps
+        with self._lock:
+            self._inflight[fragment] = pending
+            self._outbox.append(pending)
+            self._counters.last_inner_steps = inner
+        if self.overlap > 0 and not self.free_running:
+            self._wait_at = min(self._wait_at, self._steps + self.overlap)
+        self._wake_comm.set()
+
+    def _wait_due(self) -> None:
+        """``overlap`` steps have passed since a contribution: wait for its commit."""
+        with self._lock:
+            due = [
+                pending.fragment
+                for pending in self._inflight.values()
+                if pending.step + self.overlap <= self._steps
+            ]
+        for fragment in due:
+            self._await(fragment, time.monotonic() + self.wait_timeout)
+        self._reschedule()
+
+    def _reschedule(self) -> None:
+        if self.overlap == 0 or self.free_running:
+            self._wait_at = _NEVER
+            return
+        with self._lock:
+            steps = [pending.step + self.overlap for pending in self._inflight.values()]
+        self._wait_at = min(steps, default=_NEVER)
+
+    def _await(self, fragment: int, deadline: float) -> bool:
+        """Hold the training thread until ``fragment`` has nothing in flight (its commit
+        applied, or its publish failed), or until ``deadline``; False when it gave up."""
+        with self._lock:
+            pending = self._inflight.get(fragment)
+        if pending is None:
+            return True
+        started = time.monotonic()
+        done = False
+        while True:
+            # Lowered before looking: a commit staged after the look raises it again, so
+            # the wait below returns at once instead of missing it.
+            self._changed.clear()
+            self._apply_staged()
+            with self._lock:
+                done = self._inflight.get(fragment) is not pending
+            left = deadline - time.monotonic()
+            if done or left <= 0:
+                break
+            self._changed.wait(min(left, 0.5))
+        seconds = time.monotonic() - started
+        with self._lock:
+            self._counters.waits += 1
+            self._counters.waited_s += seconds
+            if not done:
+                self._counters.wait_timeouts += 1
+        self._emit(
+            SyncWaited(
+                self.learner_id,
+                fragment=fragment,
+                round=pending.round,
+                step=self._steps,
+                seconds=seconds,
+                timed_out=not done,
+            )
+        )
+        return done
+
+    def _contribute_all(self, deadline: float) -> list[int]:
+        """Contribute every fragment with steps not yet contributed and wait for all of this
+        learner's rounds in flight; the rounds still waited for at ``deadline``."""
+        for fragment in range(self._fragments):
+            if self._samples == self._counted[fragment]:
+                continue  # nothing new since its last contribution
+            if not self._await(fragment, deadline):
+                continue
+            with self._lock:
+                self._counters.sync_points += 1
+            self._hand_over(fragment)
+        for fragment in range(self._fragments):
+            self._await(fragment, deadline)
+        self._reschedule()
+        with self._lock:
+            return sorted(pending.round for pending in self._inflight.values())
+
+    def _abandon(self) -> None:
+        """Leave at once (training raised): stop the threads and write the leaving beat."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=60)
+        with contextlib.suppress(Exception):
+            run_coroutine(self._beat(leaving=True, deadline=time.monotonic() + 30))
+        self._emit(Left(self.learner_id, clean=False))
+
     # -- joining -----------------------------------------------------------------------------
 
     async def _join(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         _, creator = await establish(
-            self._box, self._layout, self.algorithm, self.learner_id, timeout
+            self._box,
+            self._layout,
+            self.algorithm,
+            self.learner_id,
+            timeout,
+            lease_timeout=self._tracker.lease_timeout,
         )
         rounds, tensors = await load_newest(self._box, self._layout, deadline)
         for fragment, values in tensors.items():
@@ -358,45 +560,65 @@ class Session:
         if not self._staged:  # the hot path of step(): a commit staged just now waits a step
             return
         with self._lock:
-            staged, self._staged = self._staged, []
-        for item in staged:
-            commit = item.commit
-            fragment = commit.fragment
-            if commit.round <= self._applied[fragment]:
-                continue
-            with self._lock:
-                pending = self._inflight.get(fragment)
-            contributed = (
-                pending is not None
-                and pending.payload is not None
-                and (pending.round, pending.payload) in item.mine
-            )
+            staged, self._staged = self._staged, {}
+        for item in staged.values():
+            self._apply(item)
+        self._reschedule()
+
+    def _apply(self, item: _Staged) -> None:
+        commit = item.commit
+        fragment = commit.fragment
+        if commit.round <= self._applied[fragment]:
+            return
+        with self._lock:
+            pending = self._inflight.get(fragment)
+        contributed = (
+            pending is not None
+            and pending.payload is not None
+            and (pending.round, pending.payload) in item.mine
+        )
+        if contributed and pending is not None and pending.step == self._steps:
+            # No local step since the snapshot: the commit is the whole truth. Loaded, not
+            # rebased, so the result is bitwise the commit (a + g − a is not always g).
+            self._layout.load(fragment, item.params)
+        elif contributed and pending is not None and self.mixing is not None:
+            # Streaming DiLoCo's blend of the late commit with the local progress since.
+            self._mix(fragment, item.params, self.mixing)
+        else:
             # Keep the local progress the commit does not already hold: since the snapshot
             # if it was combined, else since the previous commit.
             anchor = pending.snapshot if contributed and pending else self._ref[fragment]
             self._layout.rebase(fragment, item.params, anchor)
-            self._ref[fragment] = item.params
-            self._applied[fragment] = commit.round
-            lag = 0.0
-            if pending is not None and pending.round <= commit.round:
-                with self._lock:
-                    del self._inflight[fragment]
-                    pending.cancelled = True
-                    self._counters.applied += 1
-                    if contributed and pending.published_at is not None:
-                        lag = time.monotonic() - pending.published_at
-                        self._counters.last_commit_lag_s = lag
-                if not contributed:
-                    self._counted[fragment] -= pending.samples  # it goes into the next one
-            self._emit(
-                Applied(
-                    self.learner_id,
-                    round=commit.round,
-                    fragment=fragment,
-                    contributed=contributed,
-                    lag_s=lag,
-                )
+        self._ref[fragment] = item.params
+        self._applied[fragment] = commit.round
+        lag = 0.0
+        if pending is not None and pending.round <= commit.round:
+            with self._lock:
+                del self._inflight[fragment]
+                pending.cancelled = True
+                self._counters.applied += 1
+                if contributed and pending.published_at is not None:
+                    lag = time.monotonic() - pending.published_at
+                    self._counters.last_commit_lag_s = lag
+            if not contributed:
+                self._counted[fragment] -= pending.samples  # it goes into the next one
+        self._emit(
+            Applied(
+                self.learner_id,
+                round=commit.round,
+                fragment=fragment,
+                contributed=contributed,
+                lag_s=lag,
             )
+        )
+
+    def _mix(self, fragment: int, new_global: dict[str, torch.Tensor], alpha: float) -> None:
+        """``param ← α·param + (1 − α)·commit`` over the fragment's tensors."""
+        with torch.no_grad():
+            for name in self._layout.fragments[fragment]:
+                param = self._layout.params[name]
+                value = new_global[name].to(device=param.device, dtype=param.dtype)
+                param.mul_(alpha).add_(value, alpha=1.0 - alpha)
 
     # -- background threads ------------------------------------------------------------------
 
@@ -422,13 +644,26 @@ class Session:
         with self._lock:
             self.events.append(event)
         self._changed.set()
+        _log_event(event)
         if self._on_event is not None:
             with contextlib.suppress(Exception):  # a broken callback must not stop the session
                 self._on_event(event)
 
     async def _beat(self, *, leaving: bool = False, deadline: float | None = None) -> None:
         number = p.LEAVING_BEAT if leaving else self._beat_no
-        record = p.encode(p.Beat(self.learner_id, self._steps, self._samples, leaving))
+        with self._lock:
+            c = self._counters
+            beat = p.Beat(
+                self.learner_id,
+                self._steps,
+                self._samples,
+                leaving,
+                sync_points=c.sync_points,
+                contributed=c.published,
+                waited_s=round(c.waited_s, 3),
+                skipped=c.skipped_syncs,
+            )
+        record = p.encode(beat)
         key = p.beat_key(self.learner_id, number)
         stop = None if leaving else self._stop
         await retrying(partial(self._box.put_if_absent, key, record), stop=stop, deadline=deadline)
@@ -441,14 +676,32 @@ class Session:
                 await retrying(partial(self._box.delete, old), stop=stop, deadline=deadline)
                 self._oldest_beat = number - 1
 
+    async def _heartbeats(self) -> None:
+        """Renew the lease every ``lease_timeout / 3`` seconds, whatever else this loop is
+        doing: beats used to be written between transfers, so a publish or a close longer
+        than the lease made a healthy learner look dead and others repeated its close."""
+        while not self._stop.is_set():
+            try:
+                await self._beat()
+            except Stopped:
+                return
+            except Exception as exc:
+                self._emit(PollFailed(self.learner_id, error=f"beat: {exc!r}"))
+            await self._pause(self._beat_interval)
+
     async def _communicate(self) -> None:
-        next_beat = time.monotonic() + self._beat_interval
+        beats = asyncio.create_task(self._heartbeats())
+        try:
+            await self._communicate_loop()
+        finally:
+            beats.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Stopped):
+                await beats
+
+    async def _communicate_loop(self) -> None:
         next_check = 0.0
         while not self._stop.is_set():
             try:
-                if time.monotonic() >= next_beat:
-                    next_beat = time.monotonic() + self._beat_interval
-                    await self._beat()
                 while True:
                     with self._lock:
                         pending = self._outbox.popleft() if self._outbox else None
@@ -511,9 +764,11 @@ class Session:
 
     async def _close(self, pending: _Pending) -> None:
         with self._lock:
-            if pending.cancelled or pending.round in self._committed:
+            if pending.cancelled or pending.round <= self._known[pending.fragment]:
                 return
         assert pending.payload is not None
+        failure: Exception | None = None
+        outcome = None
         try:
             outcome = await self._closer.try_close(
                 pending.round, pending.payload, pending.snapshot, pending.base_params
@@ -521,27 +776,50 @@ class Session:
         except Stopped:
             raise
         except Exception as exc:
-            self._emit(RoundFailed(self.learner_id, round=pending.round, error=repr(exc)))
-            return
+            failure = exc
         if outcome is not None:
             with self._lock:
-                # Marked here, not only when the syncer sees it: otherwise the next tick
-                # would close this round again and adopt our own record. And before the
-                # sweep below, so the syncer takes the fast path instead of downloading.
-                self._committed.add(outcome.commit.round)
                 self._counters.closed += 1
-                if outcome.params is not None:
-                    self._fast[outcome.commit.round] = outcome.params
-            self._wake_sync.set()  # the record is written: the syncer stages it now
             if outcome.params is not None:
-                try:
-                    await self._closer.sweep(outcome.commit)
-                except Stopped:
-                    raise
-                except Exception as exc:  # sweeping is housekeeping; the round is committed
-                    self._emit(
-                        RoundFailed(self.learner_id, round=pending.round, error=f"sweep: {exc!r}")
-                    )
+                # Staged here, before the sweep, the events and without a download: the
+                # training thread (perhaps waiting at the sync point) applies it at once.
+                # Staging marks the round known: neither the next tick nor the syncer
+                # closes or fetches it again.
+                self._stage(outcome.commit, outcome.params)
+            self._wake_sync.set()  # the record is written: the syncer looks now
+        events, self._closer_events[:] = list(self._closer_events), []
+        for event in events:
+            self._emit(event)
+        if failure is not None:
+            self._emit(RoundFailed(self.learner_id, round=pending.round, error=repr(failure)))
+        if outcome is None:
+            return
+        if outcome.params is not None:
+            try:
+                await self._closer.sweep(outcome.commit)
+            except Stopped:
+                raise
+            except Exception as exc:  # sweeping is housekeeping; the round is committed
+                self._emit(
+                    RoundFailed(self.learner_id, round=pending.round, error=f"sweep: {exc!r}")
+                )
+
+    def _stage(self, commit: p.Commit, params: dict[str, torch.Tensor]) -> bool:
+        """Hand a verified commit to the training thread; False when it is not newer than
+        what is already known for its fragment."""
+        fragment = commit.fragment
+        mine = frozenset(
+            (commit.round, x.payload) for x in commit.contributors if x.learner == self.learner_id
+        )
+        item = _Staged(commit, params, mine)
+        with self._lock:
+            if commit.round <= self._known[fragment]:
+                return False
+            older = self._staged.get(fragment)
+            self._staged[fragment] = item if older is None else item.merged(older)
+            self._known[fragment] = commit.round
+        self._changed.set()
+        return True
 
     async def _sync(self) -> None:
         since = time.monotonic()  # when this learner last published (woke the syncer)
@@ -569,39 +847,86 @@ class Session:
     async def _poll_rounds(self) -> None:
         # Rounds of different fragments can commit out of order; listing after the oldest
         # per-fragment cursor never skips one.
-        cursor = p.round_key(min(self._known))
+        with self._lock:
+            cursor = p.round_key(min(self._known))
         keys = await retrying(partial(self._box.list, p.ROUNDS, after=cursor), stop=self._stop)
         fresh: dict[int, list[p.Commit]] = {}
         for key in keys:
+            if key in self._bad:
+                continue
             r = p.parse_round_key(key)
             fragment = r % self._fragments
-            if r <= self._known[fragment]:
+            with self._lock:
+                if r <= self._known[fragment]:
+                    continue
+            # Record by record: one unreadable record is reported once and skipped; it
+            # must not stop this poll (or every later one) for every fragment.
+            try:
+                data = await retrying(partial(self._box.get, key), stop=self._stop)
+                commit = p.decode_commit(key, data)
+                if commit.fragment != fragment:
+                    raise ProtocolError(f"{key}: fragment {commit.fragment}, expected {fragment}")
+            except ProtocolError as exc:
+                self._bad.add(key)
+                self._emit(PollFailed(self.learner_id, error=f"skipping round record: {exc}"))
                 continue
-            data = await retrying(partial(self._box.get, key), stop=self._stop)
-            commit = p.decode_commit(key, data)
-            if commit.fragment != fragment:
-                raise ProtocolError(f"{key}: fragment {commit.fragment}, expected {fragment}")
             fresh.setdefault(fragment, []).append(commit)
         for fragment, commits in fresh.items():
-            newest = commits[-1]
-            mine = frozenset(
-                (c.round, x.payload)
-                for c in commits
-                for x in c.contributors
-                if x.learner == self.learner_id
-            )
-            with self._lock:
-                # Parameters of rounds this node closed itself need no download; drop the
-                # ones superseded within this batch so they are not kept forever.
-                closed_here = [self._fast.pop(c.round, None) for c in commits]
-            params = closed_here[-1]
-            if params is None:
-                params = await retrying(
-                    partial(get_tensors, self._box, newest.params, self._layout.specs[fragment]),
-                    stop=self._stop,
+            # Fragment by fragment: a failed download of one holds no other back.
+            try:
+                await self._fetch(fragment, commits)
+            except Stopped:
+                raise
+            except Exception as exc:
+                self._emit(
+                    PollFailed(
+                        self.learner_id,
+                        error=f"round {commits[-1].round} (fragment {fragment}): {exc!r}",
+                    )
                 )
-            with self._lock:
-                self._staged.append(_Staged(newest, params, mine))
-                self._known[fragment] = newest.round
-                self._committed.update(c.round for c in commits)
-            self._changed.set()
+
+    async def _fetch(self, fragment: int, commits: list[p.Commit]) -> None:
+        """Download the newest of ``commits`` (one fragment's, oldest first) and stage it,
+        remembering which of them held this learner's contributions."""
+        newest = commits[-1]
+        params = await retrying(
+            partial(get_tensors, self._box, newest.params, self._layout.specs[fragment]),
+            stop=self._stop,
+        )
+        mine = frozenset(
+            (c.round, x.payload)
+            for c in commits
+            for x in c.contributors
+            if x.learner == self.learner_id
+        )
+        item = _Staged(newest, params, mine)
+        with self._lock:
+            if newest.round <= self._known[fragment]:
+                return  # staged meanwhile by this learner's own close
+            older = self._staged.get(fragment)
+            self._staged[fragment] = item if older is None else item.merged(older)
+            self._known[fragment] = newest.round
+        for c in commits:
+            self._closer.forget(c.round)
+        self._changed.set()
+
+
+def _log_event(event: Event) -> None:
+    """Every event to the ``gradientmail`` logger: failures at WARNING (with the cause),
+    joins, leaves and waits that gave up at INFO, the rest at DEBUG."""
+    if isinstance(event, PollFailed | PublishFailed | RoundFailed):
+        _log.warning("%s: %s", event.learner, event)
+    elif isinstance(event, SyncWaited) and event.timed_out:
+        _log.warning(
+            "%s: waited %.1f s for round %d (fragment %d) and gave up; training goes on",
+            event.learner,
+            event.seconds,
+            event.round,
+            event.fragment,
+        )
+    elif isinstance(event, Joined | Left):
+        _log.info("%s: %s", event.learner, event)
+    elif isinstance(event, SyncSkipped):
+        _log.info("%s: skipped a sync point: %s", event.learner, event)
+    else:  # Published, Committed, Applied, SyncWaited within its bound
+        _log.debug("%s: %s", event.learner, event)
