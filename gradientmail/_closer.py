@@ -5,13 +5,38 @@ round may close: every live learner has a snapshot in it, or ``quorum_size`` sna
 and ``round_timeout`` has passed since this learner first looked. It then claims
 ``claims/{r}/{attempt}``; the winner combines the snapshots it listed, uploads the payloads,
 and only then writes ``rounds/{r}``. If that write loses (another closer got there first),
-the winner's record is adopted. If the claimant's lease lapses before the record appears,
-the next learner claims ``attempt + 1``.
+the winner's record is adopted; a record that is this closer's own (the response to its
+write was lost, the retry found the key taken) counts as won.
+
+Fail-safe rules:
+
+- A snapshot that cannot be loaded or verified (a malformed record, a missing or corrupt
+  payload: any :class:`ProtocolError`) is excluded, listed in the record's ``excluded`` with
+  the reason, and the round commits with the rest. With nothing usable left the close fails.
+- A claim is honoured for a bounded time. Another learner claims ``attempt + 1`` once the
+  holder's lease lapsed and it watched the claim for a lease period, or, live holder or
+  not, once ``claim_timeout`` passed on its own monotonic clock since it first saw that
+  attempt. A holder whose close failed ``give_up_after`` times in a row stops retrying
+  that attempt and competes for the next one like any other learner, a lease period after
+  the others when other live contributors could take over. A duplicate closer is harmless:
+  the record is created once, and a loser adopts it and deletes the payloads it uploaded
+  that nothing names.
+- What this learner knows of a round (when it first looked, when it first saw each claim
+  attempt) is kept until the round is known to be committed: ``forget(r)``, its own commit,
+  or a ``try_close`` of a later round of the same fragment (whose base proves it). Other
+  fragments running ahead never reset it; a cap bounds it all the same.
+- Sweeping is idempotent and catches up: a sweep deletes round ``r - keep_rounds * P`` and
+  older rounds of the fragment that still have claims (their own sweep never ran: the
+  closer died, or the sweep failed), a bounded number per call. Claims are deleted last, so
+  a round without claims has nothing else left to sweep.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,7 +56,16 @@ from gradientmail.events import Committed, Event
 from gradientmail.mailbox import Mailbox
 from gradientmail.payload import get_tensors, put_tensors
 
-__all__ = ["Outcome", "RoundCloser"]
+__all__ = ["GIVE_UP_AFTER", "Outcome", "RoundCloser"]
+
+_log = logging.getLogger("gradientmail")
+
+GIVE_UP_AFTER = 3  # failed closes of one claim attempt before its holder stops retrying it
+_MAX_WATCHES = 1024  # rounds watched at once, at most (a safety net: see _prune)
+_SWEEP_ROUNDS = 8  # rounds one sweep deletes, at most: the horizon's and leftovers before it
+_REASON_CHARS = 300  # of an exclusion's reason, kept in the record
+_MAX_ATTEMPT = 10**4 - 1  # claim keys have four digits
+_UNKNOWN = ""  # the holder of a claim whose record cannot be read: never a learner id
 
 
 @dataclass(frozen=True)
@@ -42,11 +76,45 @@ class Outcome:
 
 @dataclass
 class _Watch:
-    first_seen: float
-    claim_seen: dict[int, float] = field(default_factory=dict)
+    """What this learner knows of one round, on its own clock."""
+
+    first_seen: float  # when it first looked at the round (round_timeout runs from here)
+    claim_seen: dict[int, float] = field(default_factory=dict)  # attempt -> first seen
+    holders: dict[int, str] = field(default_factory=dict)  # attempt -> claimant (read once)
+    failures: dict[int, int] = field(default_factory=dict)  # own attempt -> failed closes
+
+
+def _claim_round(key: str) -> int | None:
+    """``claims/{round}/{attempt}`` -> round; None for any other key under ``claims/``."""
+    parts = key.split("/")
+    if (
+        len(parts) == 3
+        and parts[0] == p.CLAIMS.rstrip("/")
+        and len(parts[1]) == len(p.claims_prefix(0)) - len(p.CLAIMS) - 1
+        and parts[1].isdigit()
+        and parts[2].isdigit()
+        and key == p.claim_key(int(parts[1]), int(parts[2]))
+    ):
+        return int(parts[1])
+    return None
+
+
+def _exclusion(key: str, exc: Exception) -> p.Exclusion:
+    reason = f"{type(exc).__name__}: {exc}"
+    if len(reason) > _REASON_CHARS:
+        reason = reason[: _REASON_CHARS - 3] + "..."
+    return p.Exclusion(key.rpartition("/")[2], key, reason)
 
 
 class RoundCloser:
+    """Closes the rounds one learner contributed to.
+
+    ``claim_timeout``: how long a live closer's claim is honoured, from when this learner
+    first saw it (default ``round_timeout + lease_timeout``). ``give_up_after``: failed
+    closes of one attempt before this learner stops retrying it. ``clock`` measures every
+    wait (give the tracker the same one).
+    """
+
     def __init__(
         self,
         box: Mailbox,
@@ -60,7 +128,11 @@ class RoundCloser:
         keep_rounds: int,
         emit: Callable[[Event], None],
         clock: Callable[[], float] = time.monotonic,
+        claim_timeout: float | None = None,
+        give_up_after: int = GIVE_UP_AFTER,
     ) -> None:
+        if give_up_after < 1:
+            raise ValueError(f"give_up_after must be at least 1, not {give_up_after}")
         self.box = box
         self.layout = layout
         self.algorithm = algorithm
@@ -71,14 +143,37 @@ class RoundCloser:
         self.keep_rounds = keep_rounds
         self.emit = emit
         self.clock = clock
-        self._watch: dict[int, _Watch] = {}
+        self.claim_timeout = (
+            round_timeout + tracker.lease_timeout if claim_timeout is None else claim_timeout
+        )
+        self.give_up_after = give_up_after
+        self._watch: dict[int, _Watch] = {}  # guarded by _lock: forget() comes from any thread
+        self._lock = threading.Lock()
         self._records: dict[int, p.Commit] = {}
         self._momentum: dict[int, tuple[str, dict[str, torch.Tensor]]] = {}
         self._params_out = BufferPool()
-        self._claims: dict[str, str] = {}
 
     def forget(self, r: int) -> None:
-        self._watch.pop(r, None)
+        """Drop what this closer knows of round ``r``: call it once ``r`` is committed (from
+        any thread)."""
+        with self._lock:
+            self._watch.pop(r, None)
+
+    def _prune(self, r: int) -> None:
+        """Forget rounds that closing ``r`` proves committed: the earlier rounds of its
+        fragment (``r``'s base, ``r - P``, is committed, and so is everything before it).
+        Never rounds of other fragments: one running far ahead says nothing of another."""
+        count = self.layout.count
+        with self._lock:
+            for x in [x for x in self._watch if x < r and (r - x) % count == 0]:
+                del self._watch[x]
+            # A safety net for callers that never close a later round nor call forget().
+            while len(self._watch) >= _MAX_WATCHES:
+                del self._watch[min(self._watch)]
+        for x in [x for x in self._records if x < r - count and (r - x) % count == 0]:
+            del self._records[x]
+        while len(self._records) >= _MAX_WATCHES:
+            del self._records[min(self._records)]
 
     async def try_close(
         self,
@@ -88,16 +183,11 @@ class RoundCloser:
         base_params: Mapping[str, torch.Tensor] | None,
     ) -> Outcome | None:
         """One attempt at closing round ``r``; None when it is not (yet) this learner's to close."""
-        # Rounds far behind this one were closed by someone: forget what we knew of them.
-        horizon = r - 4 * self.layout.count
-        for stale in [x for x in self._watch if x < horizon]:
-            del self._watch[stale]
-        for stale in [x for x in self._records if x < horizon]:
-            del self._records[stale]
-        stale_claims = [k for k in self._claims if k < p.claims_prefix(max(horizon, 0))]
-        for key in stale_claims:
-            del self._claims[key]
-        watch = self._watch.setdefault(r, _Watch(self.clock()))
+        self._prune(r)
+        with self._lock:
+            watch = self._watch.get(r)
+            if watch is None:
+                watch = self._watch[r] = _Watch(self.clock())
         snaps = await retrying(partial(self.box.list, p.snapshots_prefix(r)))
         contributors = {key.rpartition("/")[2] for key in snaps}
         live = self.tracker.live() | {self.learner}
@@ -107,39 +197,89 @@ class RoundCloser:
             or (len(contributors) >= self.quorum_size and waited >= self.round_timeout)
         ):
             return None
-        attempt = await self._claim(r, watch)
+        attempt = await self._claim(r, watch, (contributors & live) - {self.learner})
         if attempt is None:
             return None
-        return await self._close(r, attempt, snaps, own_payload, own_snapshot, base_params)
+        try:
+            return await self._close(r, attempt, snaps, own_payload, own_snapshot, base_params)
+        except Exception as exc:
+            failures = watch.failures[attempt] = watch.failures.get(attempt, 0) + 1
+            if failures == self.give_up_after:
+                _log.warning(
+                    "round %d: closing attempt %d failed %d times (last: %r); giving the claim up",
+                    r,
+                    attempt,
+                    failures,
+                    exc,
+                )
+            raise
 
-    async def _claim(self, r: int, watch: _Watch) -> int | None:
-        claims = await retrying(partial(self.box.list, p.claims_prefix(r)))
+    async def _claim(self, r: int, watch: _Watch, others: set[str]) -> int | None:
+        """The claim attempt this learner holds on round ``r`` now, taking the next one over
+        when the newest claim is no longer honoured; None while someone else's is.
+        ``others``: the live learners besides this one that contributed to ``r`` (the ones
+        that could close it instead)."""
+        listed = await retrying(partial(self.box.list, p.claims_prefix(r)))
+        claims = [key for key in listed if _claim_round(key) == r]
         attempt = 0
         if claims:
             newest = claims[-1]
             attempt = p.parse_claim_attempt(newest)
-            holder = await self._holder(newest)
+            holder = await self._holder(watch, newest, attempt)
+            now = self.clock()
+            held = now - watch.claim_seen.setdefault(attempt, now)
             if holder == self.learner:
-                return attempt  # ours: a previous tick (or a previous life) claimed it
-            seen = watch.claim_seen.setdefault(attempt, self.clock())
-            # Fail over only when the claimant's lease has lapsed on our clock, and we have
-            # watched this claim for a whole lease period ourselves.
-            if self.tracker.is_live(holder) or self.clock() - seen < self.tracker.lease_timeout:
+                if watch.failures.get(attempt, 0) < self.give_up_after:
+                    return attempt  # ours: a previous tick (or a previous life) claimed it
+                # Given up: honoured like anyone's, and longer when others could take over
+                # (they saw the claim about when this learner made it: theirs comes first).
+                patience = self.claim_timeout
+                if others:
+                    patience += self.tracker.lease_timeout
+                if held < patience:
+                    return None
+            elif self.tracker.is_live(holder):
+                # A live closer that has not committed within the deadline is replaced: it
+                # may be failing over and over, or stuck.
+                if held < self.claim_timeout:
+                    return None
+            elif held < self.tracker.lease_timeout:
+                # A lapsed lease: wait until this learner watched the claim for a whole
+                # lease period itself.
                 return None
             attempt += 1
-        record = p.encode(p.Claim(self.learner))
+            if attempt > _MAX_ATTEMPT:
+                raise ProtocolError(f"round {r}: every claim attempt up to {_MAX_ATTEMPT} is used")
+            _log.warning(
+                "round %d: claim %d of %s not honoured any longer (%.1f s); claiming %d",
+                r,
+                attempt - 1,
+                holder or "an unreadable claim",
+                held,
+                attempt,
+            )
         key = p.claim_key(r, attempt)
-        if await retrying(partial(self.box.put_if_absent, key, record)):
+        won = await retrying(partial(self.box.put_if_absent, key, p.encode(p.Claim(self.learner))))
+        watch.claim_seen.setdefault(attempt, self.clock())
+        if won:
+            watch.holders[attempt] = self.learner
             return attempt
-        holder = await self._holder(key)
+        holder = await self._holder(watch, key, attempt)
         return attempt if holder == self.learner else None
 
-    async def _holder(self, key: str) -> str:
-        """Who holds a claim; claims are created once, so each is read at most once."""
-        if key not in self._claims:
+    async def _holder(self, watch: _Watch, key: str, attempt: int) -> str:
+        """Who holds a claim; claims are created once, so each is read at most once. A claim
+        that cannot be decoded is held by nobody (_UNKNOWN): it fails over like a dead one."""
+        if attempt not in watch.holders:
             data = await retrying(partial(self.box.get, key))
-            self._claims[key] = p.decode_claim(key, data).learner
-        return self._claims[key]
+            if data is None:
+                return _UNKNOWN  # listed but not readable yet: look again next time
+            try:
+                watch.holders[attempt] = p.decode_claim(key, data).learner
+            except ProtocolError as exc:
+                _log.warning("%s: an unreadable claim counts as a dead claimant's (%s)", key, exc)
+                watch.holders[attempt] = _UNKNOWN
+        return watch.holders[attempt]
 
     async def _base(self, r: int) -> p.Commit:
         base_round = r - self.layout.count
@@ -164,9 +304,11 @@ class RoundCloser:
         dict[str, torch.Tensor] | None,
         list[tuple[str, int, Mapping[str, torch.Tensor]]],
         list[p.Contribution],
+        list[p.Exclusion],
     ]:
         """What round ``r`` combines: its base commit and parameters, the momentum (``cached``
-        when that is the base's), the usable snapshots and what the record lists of them."""
+        when that is the base's), the usable snapshots and what the record lists of them,
+        and the snapshots excluded (unreadable, corrupt, or not this round's)."""
         specs = self.layout.specs[r % self.layout.count]
         base = await self._base(r)
         if base_params is None:
@@ -178,27 +320,48 @@ class RoundCloser:
             else:
                 momentum = await retrying(partial(get_tensors, self.box, base.momentum, specs))
         records = await asyncio.gather(*(retrying(partial(self.box.get, key)) for key in snaps))
-        usable: list[p.Snapshot] = []
+        usable: list[tuple[str, p.Snapshot]] = []
+        excluded: list[p.Exclusion] = []
         for key, data in zip(snaps, records, strict=True):
-            snap = p.decode_snapshot(key, data)
-            if snap.round == r and snap.base == base.round:
-                usable.append(snap)  # others were not built on this round's base
+            try:
+                snap = p.decode_snapshot(key, data)
+                if snap.learner != key.rpartition("/")[2]:
+                    raise ProtocolError(f"{key}: the record names learner {snap.learner!r}")
+                if snap.round != r:
+                    raise ProtocolError(f"{key}: the record says round {snap.round}")
+                if snap.base != base.round:
+                    raise ProtocolError(f"{key}: built on round {snap.base}, not {base.round}")
+            except ProtocolError as exc:
+                excluded.append(_exclusion(key, exc))
+                continue
+            usable.append((key, snap))
 
-        async def local(snap: p.Snapshot) -> Mapping[str, torch.Tensor]:
+        async def local(snap: p.Snapshot) -> Mapping[str, torch.Tensor] | ProtocolError:
             if snap.learner == self.learner and snap.payload == own_payload:
                 return own_snapshot  # no need to download our own
-            return await retrying(partial(get_tensors, self.box, snap.payload, specs))
+            try:
+                return await retrying(partial(get_tensors, self.box, snap.payload, specs))
+            except ProtocolError as exc:  # corrupt, missing, not this fragment's shapes
+                return exc
 
         # The downloads overlap; with several contributors this is most of a round's latency.
-        tensors = await asyncio.gather(*(local(snap) for snap in usable))
-        contributions = [
-            (snap.learner, snap.samples, values)
-            for snap, values in zip(usable, tensors, strict=True)
-        ]
-        listed = [p.Contribution(snap.learner, snap.samples, snap.payload) for snap in usable]
+        tensors = await asyncio.gather(*(local(snap) for _, snap in usable))
+        contributions: list[tuple[str, int, Mapping[str, torch.Tensor]]] = []
+        listed: list[p.Contribution] = []
+        for (key, snap), values in zip(usable, tensors, strict=True):
+            if isinstance(values, ProtocolError):
+                excluded.append(_exclusion(key, values))
+                continue
+            contributions.append((snap.learner, snap.samples, values))
+            listed.append(p.Contribution(snap.learner, snap.samples, snap.payload))
+        for x in excluded:
+            _log.warning("round %d: excluded %s: %s", r, x.key, x.reason)
         if not contributions:
-            raise ProtocolError(f"round {r}: no usable snapshot among {len(snaps)} listed")
-        return base, base_params, momentum, contributions, listed
+            raise ProtocolError(
+                f"round {r}: no usable snapshot among {len(snaps)} listed"
+                + "".join(f"; {x.reason}" for x in excluded)
+            )
+        return base, base_params, momentum, contributions, listed, excluded
 
     async def _close(
         self,
@@ -214,7 +377,7 @@ class RoundCloser:
         # for the whole close: the combine below overwrites it (see the comment there).
         taken = self._momentum.pop(fragment, None)
         try:
-            base, base_params, momentum, contributions, listed = await self._inputs(
+            base, base_params, momentum, contributions, listed, excluded = await self._inputs(
                 r, snaps, own_payload, own_snapshot, base_params, taken
             )
         except BaseException:
@@ -257,18 +420,32 @@ class RoundCloser:
             momentum=momentum_key,
             closer=self.learner,
             attempt=attempt,
+            excluded=tuple(sorted(excluded, key=lambda x: x.key)),
         )
         key = p.round_key(r)
         # Payloads first, then the record that points at them.
         won = await retrying(partial(self.box.put_if_absent, key, p.encode(commit)))
-        if won:
-            self._records[r] = commit
-            outcome = Outcome(commit, params)
-        else:
+        found = commit
+        if not won:
             data = await retrying(partial(self.box.get, key))
             if data is None:
                 raise ProtocolError(f"{key}: put_if_absent said it exists, but it reads as missing")
-            outcome = Outcome(p.decode_commit(key, data), None)
+            found = p.decode_commit(key, data)
+            # Our own record (the response to our write was lost and the retry found it):
+            # the same claim attempt and the same content-addressed payloads. That is a win.
+            won = (
+                found.closer == self.learner
+                and found.attempt == attempt
+                and found.params == params_key
+                and found.momentum == momentum_key
+            )
+            if not won:
+                await self._discard(commit, found, base)
+        if won:
+            self._records[r] = found
+            outcome = Outcome(found, params)
+        else:
+            outcome = Outcome(found, None)
         self.emit(
             Committed(
                 self.learner,
@@ -276,34 +453,69 @@ class RoundCloser:
                 fragment=fragment,
                 contributors=tuple(c.learner for c in outcome.commit.contributors),
                 adopted=not won,
+                excluded=tuple(x.learner for x in outcome.commit.excluded),
             )
         )
         self.forget(r)
         return outcome
 
+    async def _discard(self, ours: p.Commit, theirs: p.Commit, base: p.Commit) -> None:
+        """A losing closer deletes the payloads it uploaded that the winning record does not
+        name: nothing else can ever name them (round ``r``'s record is taken, and every
+        later round builds on it). Best effort: a failure leaves them, as before."""
+        named = {theirs.params, theirs.momentum, base.params, base.momentum}
+        named |= {c.payload for c in (*theirs.contributors, *ours.contributors)}
+        mine = {k for k in (ours.params, ours.momentum) if k and k not in named}
+        if not mine:
+            return
+        try:
+            doomed = await retrying(partial(blob_keys, self.box, mine))
+            spared = await retrying(partial(blob_keys, self.box, {k for k in named if k}))
+            await retrying(partial(self.box.delete, sorted(doomed - spared)))
+        except Exception as exc:
+            _log.warning(
+                "round %d: could not delete a losing close's payloads: %r", ours.round, exc
+            )
+
     async def sweep(self, commit: p.Commit) -> None:
         """Delete what no recent commit needs: the snapshots, claims and payloads of round
-        ``r - keep_rounds * P``. Payload keys still named by a kept commit are spared (the
-        same bytes can recur under the same content-addressed key)."""
-        old = commit.round - self.keep_rounds * self.layout.count
+        ``r - keep_rounds * P``, and of older rounds of the same fragment whose own sweep
+        never ran (they still have claims), oldest first, ``_SWEEP_ROUNDS`` rounds at most
+        per call. Payload keys still named by a kept commit are spared (the same bytes can
+        recur under the same content-addressed key). Idempotent: a round swept twice, or by
+        two closers at once, loses nothing more."""
+        count = self.layout.count
+        old = commit.round - self.keep_rounds * count
         if old < 0:
             return
-        snaps = await retrying(partial(self.box.list, p.snapshots_prefix(old)))
-        claims = await retrying(partial(self.box.list, p.claims_prefix(old)))
-        doomed: set[str] = set(snaps) | set(claims)
-        for key in snaps:
-            data = await retrying(partial(self.box.get, key))
-            if data is not None:
-                doomed.add(p.decode_snapshot(key, data).payload)
-        old_key = p.round_key(old)
-        old_record = await retrying(partial(self.box.get, old_key))
-        if old_record is not None:
-            old_commit = p.decode_commit(old_key, old_record)
-            doomed.add(old_commit.params)
-            if old_commit.momentum:
-                doomed.add(old_commit.momentum)
+        claims: dict[int, list[str]] = {}
+        for key in await retrying(partial(self.box.list, p.CLAIMS)):
+            x = _claim_round(key)
+            if x is not None and x <= old and (old - x) % count == 0:
+                claims.setdefault(x, []).append(key)
+        rounds = [*sorted(x for x in claims if x < old)[: _SWEEP_ROUNDS - 1], old]
+        doomed: set[str] = set()
+        for x in rounds:
+            snaps = await retrying(partial(self.box.list, p.snapshots_prefix(x)))
+            doomed.update(snaps)
+            records = await asyncio.gather(*(retrying(partial(self.box.get, key)) for key in snaps))
+            for key, data in zip(snaps, records, strict=True):
+                # A malformed record goes too; it names no payload that can be read.
+                with contextlib.suppress(ProtocolError):
+                    doomed.add(p.decode_snapshot(key, data).payload)
+            old_key = p.round_key(x)
+            old_record = await retrying(partial(self.box.get, old_key))
+            if old_record is not None:
+                try:
+                    old_commit = p.decode_commit(old_key, old_record)
+                except ProtocolError as exc:
+                    _log.warning("sweep: %s is unreadable; its payloads stay (%s)", old_key, exc)
+                else:
+                    doomed.add(old_commit.params)
+                    if old_commit.momentum:
+                        doomed.add(old_commit.momentum)
         kept = {commit.params, commit.momentum}
-        base = self._records.get(commit.round - self.layout.count)
+        base = self._records.get(commit.round - count)
         if base is not None and base.round > old:  # with keep_rounds=1 the base itself goes
             kept |= {base.params, base.momentum}
         kept |= {c.payload for c in commit.contributors}
@@ -313,5 +525,9 @@ class RoundCloser:
         doomed |= await retrying(partial(blob_keys, self.box, payloads))
         spared = await retrying(partial(blob_keys, self.box, {k for k in kept if k}))
         await retrying(partial(self.box.delete, sorted(k for k in doomed if k and k not in spared)))
+        # Claims last: a round that still has claims may still have other objects to sweep.
+        await retrying(
+            partial(self.box.delete, sorted(k for x in rounds for k in claims.get(x, [])))
+        )
         for r in [r for r in self._records if r <= old]:
             del self._records[r]

@@ -7,6 +7,7 @@ byte order is numeric order. No server clock is used anywhere.
 key                                 written by      holds
 ==================================  ==============  ===========================================
 ``claims/creator``                  first node      :class:`CreatorClaim`: elects the creator
+``claims/creator-{attempt:04d}``    joiner          a later creator claim (the holder died)
 ``manifest.json``                   creator         :class:`Manifest`: format, algorithm, layout
 ``rounds/{r:010d}``                 round closer    :class:`Commit`: the round's result
 ``snapshots/{r:010d}/{learner}``    learner         :class:`Snapshot`: a contribution to round r
@@ -36,7 +37,7 @@ import json
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, TypedDict, TypeVar
+from typing import Any, NotRequired, TypedDict, TypeVar
 
 from gradientmail.errors import ProtocolError
 
@@ -98,6 +99,25 @@ def parse_claim_attempt(key: str) -> int:
     tail = key.rpartition("/")[2]
     if len(tail) != _ATTEMPT_WIDTH or not tail.isdigit():
         raise ProtocolError(f"{key!r} is not a claim key")
+    return int(tail)
+
+
+def creator_key(attempt: int) -> str:
+    """Creator claim ``attempt``: ``claims/creator`` for 0 (what every release reads), then
+    ``claims/creator-0001``... A sibling, never a child: ``claims/creator`` is a key, so it
+    cannot also be a directory (spec 004). Byte order is attempt order."""
+    if attempt < 0 or attempt >= 10**_ATTEMPT_WIDTH:
+        raise ValueError(f"creator claim attempt {attempt} is out of range")
+    return CREATOR if attempt == 0 else f"{CREATOR}-{attempt:0{_ATTEMPT_WIDTH}d}"
+
+
+def parse_creator_attempt(key: str) -> int:
+    """``claims/creator`` → 0, ``claims/creator-{attempt:04d}`` → attempt."""
+    if key == CREATOR:
+        return 0
+    tail = key.removeprefix(f"{CREATOR}-")
+    if tail == key or len(tail) != _ATTEMPT_WIDTH or not tail.isdigit() or int(tail) == 0:
+        raise ProtocolError(f"{key!r} is not a creator claim key")
     return int(tail)
 
 
@@ -175,6 +195,7 @@ class TensorSpecWire(TypedDict):
     name: str
     shape: list[int]
     dtype: str
+    kind: NotRequired[str]  # omitted for "param" (written before kinds existed)
 
 
 class ManifestWire(TypedDict):
@@ -182,12 +203,21 @@ class ManifestWire(TypedDict):
     creator: str
     algorithm: dict[str, Any]
     fragments: list[list[TensorSpecWire]]
+    # Frozen parameters (added later; omitted when the model has none, and before then).
+    frozen: NotRequired[list[TensorSpecWire]]
+    frozen_payload: NotRequired[str]
 
 
 class ContributionWire(TypedDict):
     learner: str
     samples: int
     payload: str
+
+
+class ExclusionWire(TypedDict):
+    learner: str
+    key: str
+    reason: str
 
 
 class CommitWire(TypedDict):
@@ -200,6 +230,8 @@ class CommitWire(TypedDict):
     momentum: str | None
     closer: str
     attempt: int
+    # Added later, and written only when not empty: older records and readers are unaffected.
+    excluded: NotRequired[list[ExclusionWire]]
 
 
 class SnapshotWire(TypedDict):
@@ -219,45 +251,93 @@ class BeatWire(TypedDict):
     steps: int
     samples: int
     leaving: bool
+    # Sync-point counters (added later: a beat without them reads as 0).
+    sync_points: NotRequired[int]
+    contributed: NotRequired[int]
+    waited_s: NotRequired[float]
+    skipped: NotRequired[int]
 
 
 # -- records -----------------------------------------------------------------------------------
 
 
+PARAM = "param"
+BUFFER = "buffer"
+FROZEN = "frozen"
+TENSOR_KINDS = (PARAM, BUFFER, FROZEN)
+
+
 @dataclass(frozen=True)
 class TensorSpec:
+    """One tensor of the model's layout, and how it travels (``kind``):
+
+    - ``param``: a trainable parameter; synced by every round of its fragment through the
+      outer optimizer (the default, and the only kind before kinds existed);
+    - ``buffer``: a floating-point buffer (BatchNorm's running statistics); synced by every
+      round of its fragment as the contributions' plain sample-weighted average, or the
+      closer's copy (``DiLoCo(buffers=...)``): no outer step, no momentum;
+    - ``frozen``: a parameter with ``requires_grad=False``; sent once, with the manifest
+      (:attr:`Manifest.frozen`), never in a round.
+    """
+
     name: str
     shape: tuple[int, ...]
     dtype: str
+    kind: str = PARAM
+
+    def noun(self) -> str:
+        return "buffer" if self.kind == BUFFER else "parameter"
 
     def describe(self) -> str:
-        return f"{self.dtype}{list(self.shape)}"
+        suffix = "" if self.kind == PARAM else f" ({self.kind})"
+        return f"{self.dtype}{list(self.shape)}{suffix}"
+
+    def to_wire(self) -> TensorSpecWire:
+        wire: TensorSpecWire = {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+        if self.kind != PARAM:  # omitted for the default: older manifests read unchanged
+            wire["kind"] = self.kind
+        return wire
 
 
 @dataclass(frozen=True)
 class Manifest:
+    """The run: its algorithm and the model's layout.
+
+    ``fragments``: what each fragment's rounds carry (kinds ``param`` and ``buffer``).
+    ``frozen``: the parameters with ``requires_grad=False`` (kind ``frozen``), never in a
+    round; ``frozen_payload`` names their values, stored by the creator before this record
+    (every node loads them at join, ``align`` too), or is ``None`` when the creator did not
+    store them (each node then keeps its own). Both are left out of the wire when empty, so
+    a manifest without frozen parameters is what earlier releases wrote.
+    """
+
     creator: str
     algorithm: Mapping[str, Any]
     fragments: tuple[tuple[TensorSpec, ...], ...]
     format: int = FORMAT_VERSION
+    frozen: tuple[TensorSpec, ...] = ()
+    frozen_payload: str | None = None
 
     @property
     def num_fragments(self) -> int:
         return len(self.fragments)
 
     def to_wire(self) -> ManifestWire:
-        return {
+        wire: ManifestWire = {
             "format": self.format,
             "creator": self.creator,
             "algorithm": dict(self.algorithm),
-            "fragments": [
-                [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype} for t in fragment]
-                for fragment in self.fragments
-            ],
+            "fragments": [[t.to_wire() for t in fragment] for fragment in self.fragments],
         }
+        if self.frozen:
+            wire["frozen"] = [t.to_wire() for t in self.frozen]
+        if self.frozen_payload is not None:
+            wire["frozen_payload"] = self.frozen_payload
+        return wire
 
     def differences(self, other: Manifest) -> list[str]:
-        """Human-readable differences in algorithm settings and model layout."""
+        """Human-readable differences in algorithm settings and model layout (each tensor's
+        kind included; ``frozen_payload`` is not compared: the values come from the run)."""
         found: list[str] = []
         for name in sorted(set(self.algorithm) | set(other.algorithm)):
             mine, theirs = self.algorithm.get(name), other.algorithm.get(name)
@@ -267,16 +347,18 @@ class Manifest:
             found.append(
                 f"fragments: run has {self.num_fragments}, this node has {other.num_fragments}"
             )
-        mine_specs = {t.name: t for f in self.fragments for t in f}
-        their_specs = {t.name: t for f in other.fragments for t in f}
+        mine_specs = {t.name: t for f in (*self.fragments, self.frozen) for t in f}
+        their_specs = {t.name: t for f in (*other.fragments, other.frozen) for t in f}
         for name in sorted(set(mine_specs) - set(their_specs))[:5]:
-            found.append(f"parameter {name} is in the run's model but not in this node's")
+            what = mine_specs[name].noun()
+            found.append(f"{what} {name} is in the run's model but not in this node's")
         for name in sorted(set(their_specs) - set(mine_specs))[:5]:
-            found.append(f"parameter {name} is in this node's model but not in the run's")
+            what = their_specs[name].noun()
+            found.append(f"{what} {name} is in this node's model but not in the run's")
         for name in sorted(set(mine_specs) & set(their_specs)):
             if mine_specs[name] != their_specs[name] and len(found) < 10:
                 found.append(
-                    f"parameter {name}: run has {mine_specs[name].describe()}, "
+                    f"{mine_specs[name].noun()} {name}: run has {mine_specs[name].describe()}, "
                     f"this node has {their_specs[name].describe()}"
                 )
         if not found and self.fragments != other.fragments:
@@ -292,12 +374,24 @@ class Contribution:
 
 
 @dataclass(frozen=True)
+class Exclusion:
+    """A contribution the closer listed but could not use: ``key`` is its snapshot record,
+    ``learner`` the key's last segment (not necessarily a valid id), ``reason`` why (a
+    corrupt or missing payload, a malformed record). Informational: it is not combined."""
+
+    learner: str
+    key: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class Commit:
     """Round ``round``'s result for ``fragment``: new parameters and outer momentum.
 
-    Recomputable from this record and the commit of round ``base`` (``round - P``).
-    Rounds ``< P`` are the initial commits: ``base`` is ``None`` and there are no
-    contributors.
+    Recomputable from this record and the commit of round ``base`` (``round - P``): only
+    ``contributors`` are combined; ``excluded`` lists snapshots of the round the closer
+    could not load or verify, and why. Rounds ``< P`` are the initial commits: ``base`` is
+    ``None`` and there are no contributors.
     """
 
     round: int
@@ -309,13 +403,14 @@ class Commit:
     closer: str
     attempt: int = 0
     format: int = FORMAT_VERSION
+    excluded: tuple[Exclusion, ...] = ()
 
     @property
     def samples(self) -> int:
         return sum(c.samples for c in self.contributors)
 
     def to_wire(self) -> CommitWire:
-        return {
+        wire: CommitWire = {
             "format": self.format,
             "round": self.round,
             "fragment": self.fragment,
@@ -326,6 +421,11 @@ class Commit:
             "closer": self.closer,
             "attempt": self.attempt,
         }
+        if self.excluded:
+            wire["excluded"] = [
+                {"learner": x.learner, "key": x.key, "reason": x.reason} for x in self.excluded
+            ]
+        return wire
 
 
 @dataclass(frozen=True)
@@ -356,10 +456,21 @@ class Claim:
 
 @dataclass(frozen=True)
 class Beat:
+    """A heartbeat, with the learner's counters so far (``gradientmail status`` shows them).
+
+    ``sync_points``: sync points its training reached; ``contributed``: contributions it
+    made at them; ``waited_s``: seconds ``step()`` waited at them; ``skipped``: sync points
+    it let pass without contributing. Beats written before these existed read as 0.
+    """
+
     learner: str
     steps: int = 0
     samples: int = 0
     leaving: bool = False
+    sync_points: int = 0
+    contributed: int = 0
+    waited_s: float = 0.0
+    skipped: int = 0
 
     def to_wire(self) -> BeatWire:
         return {
@@ -367,6 +478,10 @@ class Beat:
             "steps": self.steps,
             "samples": self.samples,
             "leaving": self.leaving,
+            "sync_points": self.sync_points,
+            "contributed": self.contributed,
+            "waited_s": self.waited_s,
+            "skipped": self.skipped,
         }
 
 
@@ -494,17 +609,38 @@ def decode_manifest(key: str, data: bytes | None) -> Manifest:
     for index, raw in enumerate(reader.items("fragments")):
         if not isinstance(raw, list):
             raise ProtocolError(f"{key}: fragment {index} is not a list")
-        specs = []
-        for item in raw:
-            sub = _Reader.of(f"{key} fragment {index}", item)
-            shape = sub.items("shape")
-            if not all(isinstance(n, int) and n >= 0 for n in shape):
-                raise ProtocolError(f"{key}: bad shape {shape!r}")
-            specs.append(TensorSpec(sub.text("name"), tuple(shape), sub.text("dtype")))
-        fragments.append(tuple(specs))
+        specs = tuple(_spec(key, f"fragment {index}", item, (PARAM, BUFFER)) for item in raw)
+        fragments.append(specs)
     if not fragments:
         raise ProtocolError(f"{key}: the manifest lists no fragments")
-    return Manifest(reader.text("creator"), reader.mapping("algorithm"), tuple(fragments))
+    frozen: tuple[TensorSpec, ...] = ()
+    if "frozen" in reader.obj:
+        frozen = tuple(_spec(key, "frozen", item, (FROZEN,)) for item in reader.items("frozen"))
+    frozen_payload = reader.opt_text("frozen_payload")
+    if frozen_payload is not None:
+        blob_sha(frozen_payload)
+    return Manifest(
+        reader.text("creator"),
+        reader.mapping("algorithm"),
+        tuple(fragments),
+        frozen=frozen,
+        frozen_payload=frozen_payload,
+    )
+
+
+def _spec(key: str, where: str, item: object, kinds: tuple[str, ...]) -> TensorSpec:
+    """One tensor of a manifest; its ``kind`` (absent: ``param``) must be one of ``kinds``."""
+    sub = _Reader.of(f"{key} {where}", item)
+    shape = sub.items("shape")
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+        raise ProtocolError(f"{key}: bad shape {shape!r}")
+    kind = sub.text("kind") if "kind" in sub.obj else PARAM
+    if kind not in kinds:
+        raise ProtocolError(
+            f"{key}: {where} lists {sub.obj.get('name')!r} of kind {kind!r}; expected "
+            + " or ".join(repr(k) for k in kinds)
+        )
+    return TensorSpec(sub.text("name"), tuple(shape), sub.text("dtype"), kind)
 
 
 @_names_key
@@ -524,6 +660,10 @@ def decode_commit(key: str, data: bytes | None) -> Commit:
     momentum = reader.opt_text("momentum")
     if momentum is not None:
         blob_sha(momentum)
+    excluded = []
+    for item in reader.items("excluded") if "excluded" in reader.obj else ():
+        sub = _Reader.of(f"{key} exclusion", item)
+        excluded.append(Exclusion(sub.text("learner"), sub.text("key"), sub.text("reason")))
     commit = Commit(
         round=reader.integer("round"),
         fragment=reader.integer("fragment"),
@@ -533,6 +673,7 @@ def decode_commit(key: str, data: bytes | None) -> Commit:
         momentum=momentum,
         closer=reader.text("closer"),
         attempt=reader.integer("attempt"),
+        excluded=tuple(excluded),
     )
     if key.startswith(ROUNDS) and parse_round_key(key) != commit.round:
         raise ProtocolError(f"{key}: the record says round {commit.round}")
@@ -558,12 +699,24 @@ def decode_claim(key: str, data: bytes | None) -> Claim:
     return Claim(_Reader(key, data).text("learner"))
 
 
+def _beat_count(reader: _Reader, name: str) -> int:
+    """An optional counter of a beat: absent (an older writer) reads as 0."""
+    return 0 if name not in reader.obj else reader.integer(name)
+
+
 @_names_key
 def decode_beat(key: str, data: bytes | None) -> Beat:
     reader = _Reader(key, data)
+    waited = reader._get("waited_s", (int, float), optional=True)
+    if waited is not None and not 0 <= waited < float("inf"):
+        raise ProtocolError(f"{key}: field 'waited_s' is {waited!r}, not a number of seconds")
     return Beat(
         learner=reader.text("learner"),
         steps=reader.integer("steps"),
         samples=reader.integer("samples"),
         leaving=reader.flag("leaving"),
+        sync_points=_beat_count(reader, "sync_points"),
+        contributed=_beat_count(reader, "contributed"),
+        waited_s=0.0 if waited is None else float(waited),
+        skipped=_beat_count(reader, "skipped"),
     )

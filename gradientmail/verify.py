@@ -7,6 +7,10 @@ content-addressed keys with the record's. It only reads. It needs the round's sn
 payloads and its base commit's payloads, which the sweep removes once ``keep_rounds - 1``
 newer commits of the same fragment exist (with the default 2: as soon as the next commit
 of that fragment lands), so verify commits as they land, or raise ``keep_rounds``.
+
+Only a record's ``contributors`` are combined: the snapshots it lists as ``excluded`` (the
+closer could not load or verify them) are reported in :attr:`Verified.excluded`, and a
+learner may not appear in both.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ class Verified:
     contributors: tuple[str, ...]
     samples: int
     initial: bool
+    excluded: tuple[str, ...] = ()  # learners whose snapshot the closer excluded
 
 
 async def _record(box: Mailbox, key: str) -> bytes | None:
@@ -74,6 +79,11 @@ async def verify_commit(box: Mailbox, r: int, manifest: p.Manifest | None = None
         raise ProtocolError(f"{key}: base {commit.base}, expected {r - fragments}")
     if not commit.contributors:
         raise ProtocolError(f"{key}: a training commit without contributors")
+    learners = [c.learner for c in commit.contributors]
+    if len(set(learners)) != len(learners):
+        raise ProtocolError(f"{key}: a learner is listed twice among the contributors")
+    if both := sorted(set(learners) & {x.learner for x in commit.excluded}):
+        raise ProtocolError(f"{key}: {both} are listed as contributors and as excluded")
     base_key = p.round_key(commit.base)
     base = p.decode_commit(base_key, await _record(box, base_key))
     base_params = await retrying(partial(get_tensors, box, base.params, specs))
@@ -84,7 +94,11 @@ async def verify_commit(box: Mailbox, r: int, manifest: p.Manifest | None = None
     for c in commit.contributors:
         local = await retrying(partial(get_tensors, box, c.payload, specs))
         contributions.append((c.learner, c.samples, local))
-    expected_params, expected_momentum = algorithm.combine(base_params, momentum, contributions)
+    # Buffers (kind "buffer") are averaged or the closer's copy, not outer-stepped.
+    buffers = {spec.name for spec in specs if spec.kind == p.BUFFER}
+    expected_params, expected_momentum = algorithm.combine(
+        base_params, momentum, contributions, buffer_names=buffers, closer=commit.closer
+    )
     if await _stored_key(box, expected_params, commit.params) != commit.params:
         raise ProtocolError(f"{key}: its parameters are not the combination its record names")
     if commit.momentum is None or (
@@ -93,5 +107,10 @@ async def verify_commit(box: Mailbox, r: int, manifest: p.Manifest | None = None
         raise ProtocolError(f"{key}: its momentum is not the combination its record names")
     del params
     return Verified(
-        r, fragment, tuple(c.learner for c in commit.contributors), commit.samples, False
+        r,
+        fragment,
+        tuple(learners),
+        commit.samples,
+        False,
+        tuple(x.learner for x in commit.excluded),
     )

@@ -112,6 +112,7 @@ class Fixture:
         assert outcome.commit.momentum is not None
         assert _bits(self._get(outcome.commit.params)) == _bits(want_params)
         assert _bits(self._get(outcome.commit.momentum)) == _bits(want_momentum)
+        assert outcome.params is not None
         assert _bits(outcome.params) == _bits(want_params)
 
     def momentum_buffer(self) -> int:
