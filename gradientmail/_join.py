@@ -1,86 +1,297 @@
-"""Joining a run: creator election, the manifest, initial commits, loading newest commits.
+"""Joining a run: creator election with failover, the manifest, initial commits, loading.
 
 Shared by :class:`Session` (which joins) and :func:`align` (which only loads).
+
+Creating a run takes three create-once steps:
+
+1. claim the creator role: ``claims/creator`` is attempt 0, ``claims/creator-{n:04d}``
+   attempt ``n`` (a sibling key, never a child: ``claims/creator`` cannot be a directory);
+2. the claim's holder writes ``manifest.json``;
+3. the manifest's writer stores its parameters and writes the initial commits
+   ``rounds/0 .. P-1``.
+
+A creator can die between any two of them; whoever joins next finishes the work, so a dead
+creator costs about one ``lease_timeout``:
+
+- **Claim, no manifest.** The holder writes the manifest one request after winning its
+  claim, so a claim that has stood for a whole ``lease_timeout`` on the joiner's own
+  monotonic clock, with no live beat of the holder under ``leases/{holder}/`` (the
+  :class:`LeaseTracker` rules), is abandoned: the joiner claims the next attempt. A
+  restarted holder (the same learner id) resumes its own claim at once.
+- **Manifest, initial commits missing.** The manifest's writer, restarted or not, writes
+  them at once. Any other joiner whose model matches the manifest writes the missing ones
+  from its own parameters once nothing has moved for a whole ``lease_timeout``: no new
+  initial commit, no new object under ``blobs/`` (a large upload stores a part every 16 MiB,
+  so a creator that is still uploading keeps moving) and no live beat of the writer.
+
+Judging an alive creator dead is harmless, only wasteful. Every step is create-once: two
+claimants race for the one manifest and the loser reads it (and checks its model against
+it); two writers race per fragment for ``rounds/{f}`` and everyone loads the winner. Each
+initial commit is one writer's whole fragment, recorded before anyone can join, so every
+node still starts from identical values; only the mix may come from two nodes' inits
+(fragment 0 from one, fragment 1 from another), which is itself a valid init when the
+model's parameters are initialised independently (or identically, e.g. from a checkpoint).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
+from typing import TypeVar
 
 import torch
 
 from gradientmail import protocol as p
 from gradientmail._layout import ModelLayout
+from gradientmail._leases import LeaseTracker
 from gradientmail._retry import retrying
 from gradientmail.algorithms.diloco import DiLoCo
 from gradientmail.errors import ProtocolError
 from gradientmail.mailbox import Mailbox
 from gradientmail.payload import get_tensors, put_tensors
 
-__all__ = ["align", "establish", "load_newest", "newest_per_fragment"]
+__all__ = ["LEASE_TIMEOUT", "align", "establish", "load_newest", "newest_per_fragment"]
+
+T = TypeVar("T")
 
 _POLL = 0.2
+LEASE_TIMEOUT = 15.0
+"""How long a creator may show no sign of life before a joiner takes over (Session's default
+``lease_timeout``)."""
 
 
-async def _wait_for(box: Mailbox, key: str, deadline: float, what: str) -> bytes:
+async def _wait_for(
+    box: Mailbox,
+    key: str,
+    deadline: float,
+    what: str,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+) -> bytes:
     while True:
-        data = await retrying(lambda: box.get(key), deadline=deadline)
+        data = await retrying(lambda: box.get(key), deadline=deadline, clock=clock, sleep=sleep)
         if data is not None:
             return data
-        if time.monotonic() > deadline:
+        if clock() > deadline:
             raise TimeoutError(f"{what}: {key} did not appear in time")
-        await asyncio.sleep(_POLL)
+        await sleep(_POLL)
+
+
+def _is_creator_key(key: str) -> bool:
+    try:
+        p.parse_creator_attempt(key)
+    except ProtocolError:
+        return False  # someone else's object under the same prefix: not a claim
+    return True
+
+
+class _Quiet:
+    """How long an observed state has stood unchanged, on the observer's clock."""
+
+    def __init__(self) -> None:
+        self._state: object = None
+        self._since = 0.0
+
+    def unchanged_for(self, state: object, now: float) -> float:
+        if state != self._state:
+            self._state, self._since = state, now
+        return now - self._since
+
+
+class _Joiner:
+    """One establish() call: a loop that reads the run's state and does the next step."""
+
+    def __init__(
+        self,
+        box: Mailbox,
+        layout: ModelLayout,
+        algorithm: DiLoCo,
+        learner: str,
+        timeout: float,
+        lease_timeout: float,
+        clock: Callable[[], float],
+        sleep: Callable[[float], Awaitable[None]],
+        poll: float,
+    ) -> None:
+        self.box = box
+        self.layout = layout
+        self.learner = learner
+        self.mine = layout.manifest(learner, algorithm)
+        self.clock = clock
+        self.sleep = sleep
+        self.poll = poll
+        self.deadline = clock() + timeout
+        self.tracker = LeaseTracker(lease_timeout, clock)
+        self.quiet = _Quiet()
+        # Judging someone else's liveness lists claims, leases and blobs: every tenth of a
+        # lease is enough (a joiner waiting on a long upload costs one GET per poll).
+        self.look_every = max(poll, lease_timeout / 10)
+        self.next_look = float("-inf")
+        self.holders: dict[str, str] = {}  # creator claim key -> learner (read once each)
+        self.present: set[int] = set()  # initial commits known to exist
+        self.waiting_for = "the run's manifest"
+
+    async def call(self, operation: Callable[[], Awaitable[T]]) -> T:
+        return await retrying(operation, deadline=self.deadline, clock=self.clock, sleep=self.sleep)
+
+    async def run(self) -> tuple[p.Manifest, bool]:
+        manifest: p.Manifest | None = None
+        while True:
+            moved = False
+            if manifest is None:
+                data = await self.call(partial(self.box.get, p.MANIFEST))
+                if data is not None:
+                    manifest = self.check(p.decode_manifest(p.MANIFEST, data))
+                else:
+                    moved = await self.elect()
+            if manifest is not None:
+                if await self.initial_commits_exist(manifest):
+                    return manifest, manifest.creator == self.learner
+                moved = await self.finish(manifest)
+            if moved:
+                continue  # this node just wrote something: take the next step at once
+            if self.clock() > self.deadline:
+                raise TimeoutError(f"waiting for {self.waiting_for}: it did not appear in time")
+            await self.sleep(self.poll)
+
+    def check(self, manifest: p.Manifest) -> p.Manifest:
+        differences = manifest.differences(self.mine)
+        if differences:
+            raise ProtocolError(
+                f"this node does not match the run (created by {manifest.creator}): "
+                + "; ".join(differences)
+            )
+        return manifest
+
+    # -- the creator claim -------------------------------------------------------------------
+
+    async def holder(self, key: str) -> str:
+        if key not in self.holders:
+            data = await self.call(partial(self.box.get, key))
+            if data is None:
+                raise ProtocolError(
+                    f"{key}: put_if_absent reported it exists (or list listed it) but it reads "
+                    "as missing; the store is not read-after-write consistent"
+                )
+            self.holders[key] = p.decode_creator(key, data).learner
+        return self.holders[key]
+
+    def due(self) -> bool:
+        """Whether it is time to look at others' progress again (see ``look_every``)."""
+        now = self.clock()
+        if now < self.next_look:
+            return False
+        self.next_look = now + self.look_every
+        return True
+
+    async def gone(self, learner: str, state: object) -> bool:
+        """Whether ``learner`` showed no sign of life for a whole lease period: ``state`` (what
+        it is expected to change) stood still, and no beat of its own was renewed."""
+        beats = await self.call(partial(self.box.list, p.lease_prefix(learner)))
+        self.tracker.observe(beats)
+        quiet = self.quiet.unchanged_for(state, self.clock())
+        return quiet >= self.tracker.lease_timeout and not self.tracker.is_live(learner)
+
+    async def elect(self) -> bool:
+        """No manifest yet: claim the creator role if free or abandoned, then write the
+        manifest. True when this node wrote it."""
+        if not self.due():
+            return False
+        keys = [k for k in await self.call(partial(self.box.list, p.CREATOR)) if _is_creator_key(k)]
+        attempt = 0
+        if keys:
+            newest = keys[-1]  # byte order is attempt order
+            attempt = p.parse_creator_attempt(newest)
+            holder = await self.holder(newest)
+            # A claim of our own is a previous life's: resume it. Someone else's is waited
+            # on until its holder shows no sign of life for a lease period.
+            if holder != self.learner:
+                self.waiting_for = f"creator {holder} ({newest}) to write {p.MANIFEST}"
+                if not await self.gone(holder, ("claim", newest)):
+                    return False
+                attempt += 1
+                key = p.creator_key(attempt)
+                claim = p.encode(p.CreatorClaim(self.learner))
+                if await self.call(partial(self.box.put_if_absent, key, claim)):
+                    self.holders[key] = self.learner
+                # False: another joiner took it first, or a lost response hid our own write.
+                if await self.holder(key) != self.learner:
+                    return False
+        else:
+            claim = p.encode(p.CreatorClaim(self.learner))
+            if await self.call(partial(self.box.put_if_absent, p.CREATOR, claim)):
+                self.holders[p.CREATOR] = self.learner
+            if await self.holder(p.CREATOR) != self.learner:
+                return False
+        # The manifest before any payload: a claim that stands for long without one is dead.
+        await self.call(partial(self.box.put_if_absent, p.MANIFEST, p.encode(self.mine)))
+        return True
+
+    # -- the initial commits -----------------------------------------------------------------
+
+    async def initial_commits_exist(self, manifest: p.Manifest) -> bool:
+        for fragment in range(manifest.num_fragments):
+            if fragment not in self.present:
+                key = p.round_key(fragment)
+                if await self.call(partial(self.box.get, key)) is not None:
+                    self.present.add(fragment)
+        return len(self.present) == manifest.num_fragments
+
+    async def finish(self, manifest: p.Manifest) -> bool:
+        """Write the missing initial commits when they are this node's to write: it wrote the
+        manifest (now or in a previous life), or the writer stopped moving. True if it wrote."""
+        missing = [f for f in range(manifest.num_fragments) if f not in self.present]
+        writer = manifest.creator
+        if writer != self.learner:
+            self.waiting_for = (
+                f"the initial commits of creator {writer} ({p.round_key(missing[0])} missing)"
+            )
+            if not self.due():
+                return False
+            blobs = await self.call(partial(self.box.list, p.BLOBS))
+            if not await self.gone(writer, ("initial", frozenset(self.present), len(blobs))):
+                return False
+        for n, fragment in enumerate(missing):
+            key = p.round_key(fragment)
+            # Another writer may have finished a fragment while this one was uploading.
+            if n > 0 and await self.call(partial(self.box.get, key)) is not None:
+                self.present.add(fragment)
+                continue
+            tensors = self.layout.copy_out(fragment)
+            payload, _ = await self.call(partial(put_tensors, self.box, tensors))
+            commit = p.Commit(fragment, fragment, None, (), payload, None, self.learner)
+            # Payloads before the records that point at them. False: another writer's
+            # record won, and everyone (this node too) loads that one.
+            await self.call(partial(self.box.put_if_absent, key, p.encode(commit)))
+            self.present.add(fragment)
+        return True
 
 
 async def establish(
-    box: Mailbox, layout: ModelLayout, algorithm: DiLoCo, learner: str, timeout: float
+    box: Mailbox,
+    layout: ModelLayout,
+    algorithm: DiLoCo,
+    learner: str,
+    timeout: float,
+    *,
+    lease_timeout: float = LEASE_TIMEOUT,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    poll: float = _POLL,
 ) -> tuple[p.Manifest, bool]:
-    """Create the run (if this node wins the creator claim) or join the existing one.
+    """Create the run, finish a dead creator's half-done creation, or join the run.
 
-    Returns the manifest and whether this node is the creator. Raises ``ProtocolError`` if
-    the run's model or algorithm differ from this node's.
+    Returns the manifest and whether this node is the run's creator (the manifest names
+    it). Raises ``ProtocolError`` if the run's model or algorithm differ from this node's,
+    ``TimeoutError`` if the run is not complete within ``timeout`` seconds. A creator that
+    shows no sign of life for ``lease_timeout`` seconds is replaced (module docstring);
+    ``clock``, ``sleep`` and ``poll`` (seconds between looks) are injectable for tests.
     """
-    deadline = time.monotonic() + timeout
-    mine = layout.manifest(learner, algorithm)
-    existing = await retrying(lambda: box.get(p.MANIFEST), deadline=deadline)
-    creator = False
-    if existing is None:
-        claim = p.encode(p.CreatorClaim(learner))
-        won = await retrying(lambda: box.put_if_absent(p.CREATOR, claim), deadline=deadline)
-        data = await retrying(lambda: box.get(p.CREATOR), deadline=deadline)
-        if data is None:
-            raise ProtocolError(
-                f"{p.CREATOR}: put_if_absent reported it exists but it reads as missing; the "
-                "store is not read-after-write consistent"
-            )
-        holder = p.decode_creator(p.CREATOR, data).learner
-        creator = won or holder == learner  # a restarted creator finds its own claim
-        if creator:
-            # Payloads before the records that point at them; every write is idempotent,
-            # so a creator that crashed half-way and restarts completes the same objects.
-            await retrying(lambda: box.put_if_absent(p.MANIFEST, p.encode(mine)), deadline=deadline)
-            for fragment in range(layout.count):
-                tensors = layout.copy_out(fragment)
-                key, _ = await retrying(partial(put_tensors, box, tensors), deadline=deadline)
-                commit = p.Commit(fragment, fragment, None, (), key, None, learner)
-                record = p.encode(commit)
-                await retrying(
-                    partial(box.put_if_absent, p.round_key(fragment), record), deadline=deadline
-                )
-        existing = await _wait_for(box, p.MANIFEST, deadline, f"waiting for creator {holder}")
-    manifest = p.decode_manifest(p.MANIFEST, existing)
-    differences = manifest.differences(mine)
-    if differences:
-        raise ProtocolError(
-            f"this node does not match the run (created by {manifest.creator}): "
-            + "; ".join(differences)
-        )
-    for fragment in range(manifest.num_fragments):
-        await _wait_for(box, p.round_key(fragment), deadline, "waiting for the initial commits")
-    return manifest, creator
+    joiner = _Joiner(box, layout, algorithm, learner, timeout, lease_timeout, clock, sleep, poll)
+    return await joiner.run()
 
 
 def newest_per_fragment(keys: Sequence[str], fragments: int) -> dict[int, int]:

@@ -15,9 +15,9 @@ there is no leader and nothing to recover.
   :class:`TimeoutError`; the arrival stays, so calling ``wait`` again resumes waiting, and a
   node arriving later still finds it.
 - **Transient failures** (:class:`~gradientmail.MailboxUnavailable`) are retried with
-  backoff (0.5 s doubling to 30 s), as the protocol's own operations are; with a
-  ``timeout``, an outage that outlasts it ends in :class:`TimeoutError` (its cause is the
-  last failure). Other errors propagate at once.
+  jittered backoff (each wait drawn below 0.5 s doubling, capped at 5 s), as the
+  protocol's own operations are; with a ``timeout``, an outage that outlasts it ends in
+  :class:`TimeoutError` (its cause is the last failure). Other errors propagate at once.
 - **Leases.** ``wait`` only blocks the calling thread. A :class:`~gradientmail.Session`
   renews its lease on a thread of its own, so a node waiting at a barrier with a Session
   open stays live (it publishes nothing meanwhile: see spec 000 on where to place barriers).
