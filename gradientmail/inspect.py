@@ -3,9 +3,12 @@
 What it shows: whether the run exists, its creator, fragments and algorithm (the manifest);
 training rounds committed, the newest round overall and per fragment, who contributed to
 the newest one and the samples committed; every learner with its newest beat, liveness,
-steps and samples; rounds that have snapshots but no commit yet; the age of the newest
-commit and the sample throughput. Ages and rates use the observer's own monotonic clock:
-no server timestamp is read, as everywhere in the protocol.
+steps and samples, and its sync-point counters (reached, contributed, skipped, seconds
+waited) with the share of the observer's recent time it spent waiting; rounds that have
+snapshots but no commit yet; the age of the newest commit and the sample throughput. Ages
+and rates use the observer's own monotonic clock: no server timestamp is read, as
+everywhere in the protocol. :attr:`LearnerView.skipping` and :attr:`LearnerView.stalling`
+are the flags the table, ``status --json`` and the operator all show.
 
 It only reads: ``get`` and ``list``, never ``put_if_absent`` or ``delete``.
 :class:`RunWatcher` keeps a per-fragment cursor over ``rounds/`` and a beat
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -46,9 +50,19 @@ from gradientmail.protocol import (
     snapshot_key,
 )
 
-__all__ = ["LearnerView", "RunView", "RunWatcher", "inspect_run"]
+__all__ = [
+    "STALLING_FRACTION",
+    "LearnerView",
+    "RunView",
+    "RunWatcher",
+    "SyncTotals",
+    "inspect_run",
+]
 
 _BATCH = 64  # records read concurrently; the cursor advances after each batch
+# A live learner whose step() waited at sync points for at least this share of the recent
+# time (the watcher's window) is flagged as stalling: the store or a closer holds it back.
+STALLING_FRACTION = 0.25
 T = TypeVar("T")
 
 
@@ -75,6 +89,42 @@ class LearnerView:
     steps: int | None  # from the newest Beat record (None if it could not be read)
     samples: int | None
     seconds_since_beat: float  # observer's clock since the newest beat key last changed
+    # Sync-point counters from the newest Beat record (None if it could not be read; 0 from
+    # a learner that predates them): reached, contributed, skipped, seconds step() waited.
+    sync_points: int | None = None
+    contributed: int | None = None
+    waited_s: float | None = None
+    skipped: int | None = None
+    # Share of the observer's time step() waited, over the watcher's window (None until two
+    # beats with counters were seen a second or more apart, and for a learner not live).
+    waiting_fraction: float | None = None
+
+    @property
+    def skipping(self) -> bool:
+        """It let sync points pass without contributing (its work there never synced)."""
+        return bool(self.skipped)
+
+    @property
+    def stalling(self) -> bool:
+        """Live, and waiting at sync points for STALLING_FRACTION of the time or more."""
+        return (
+            self.live
+            and self.waiting_fraction is not None
+            and self.waiting_fraction >= STALLING_FRACTION
+        )
+
+
+@dataclass(frozen=True)
+class SyncTotals:
+    """The sync-point counters summed over every learner the mailbox knows, live or not (a
+    finished run keeps its totals), and who is skipping or stalling now."""
+
+    sync_points: int
+    contributed: int
+    waited_s: float
+    skipped: int
+    skipping: tuple[str, ...]  # learners with skipped > 0
+    stalling: tuple[str, ...]  # live learners waiting STALLING_FRACTION of the time or more
 
 
 @dataclass(frozen=True)
@@ -94,11 +144,25 @@ class RunView:
     seconds_since_commit: float | None  # observer's clock since the newest commit was seen
     samples_per_second: float | None  # between the last two polls that changed the samples
 
+    @property
+    def sync(self) -> SyncTotals:
+        """The learners' sync-point counters, summed (see :class:`SyncTotals`)."""
+        return SyncTotals(
+            sync_points=sum(v.sync_points or 0 for v in self.learners),
+            contributed=sum(v.contributed or 0 for v in self.learners),
+            waited_s=sum(v.waited_s or 0.0 for v in self.learners),
+            skipped=sum(v.skipped or 0 for v in self.learners),
+            skipping=tuple(v.learner for v in self.learners if v.skipping),
+            stalling=tuple(v.learner for v in self.learners if v.stalling),
+        )
+
 
 class RunWatcher:
     """Polls one run's mailbox and keeps what it read, so each poll reads only what is new.
 
     One poll at a time per watcher. ``clock`` must be monotonic; tests inject a fake one.
+    A learner's ``waiting_fraction`` is measured over the last ``wait_window`` seconds of
+    the beats this watcher saw (at least two of them).
     """
 
     def __init__(
@@ -107,9 +171,13 @@ class RunWatcher:
         *,
         lease_timeout: float = 15.0,
         clock: Callable[[], float] = time.monotonic,
+        wait_window: float = 30.0,
     ) -> None:
         self._mailbox = mailbox
         self._clock = clock
+        self._wait_window = wait_window
+        # learner -> (observer clock, waited_s) at each new beat record, over the window
+        self._waits: dict[str, deque[tuple[float, float]]] = {}
         self._leases = LeaseTracker(lease_timeout, clock)
         self._claim: CreatorClaim | None = None
         self._manifest: Manifest | None = None
@@ -194,14 +262,33 @@ class RunWatcher:
             if self._beats.get(lease.learner, (None,))[0] != lease.beat
         ]
         keys = [beat_key(learner, beat) for learner, beat in changed]
-        for (learner, beat), key, data in zip(
-            changed, keys, await self._read_all(keys), strict=True
-        ):
+        records = await self._read_all(keys)
+        seen = self._clock()
+        for (learner, beat), key, data in zip(changed, keys, records, strict=True):
             # A beat swept between the listing and this read leaves steps and samples unknown.
             record = None if data is None else _decode(decode_beat, key, data)
             if record is not None and record.learner != learner:
                 raise ProtocolError(f"{key}: the record names learner {record.learner!r}")
             self._beats[learner] = (beat, record)
+            if record is not None:
+                self._note_wait(learner, seen, record.waited_s)
+
+    def _note_wait(self, learner: str, seen: float, waited: float) -> None:
+        points = self._waits.setdefault(learner, deque())
+        if points and waited < points[-1][1]:
+            points.clear()  # the counter went back: the learner restarted under its id
+        points.append((seen, waited))
+        while len(points) > 2 and seen - points[1][0] >= self._wait_window:
+            points.popleft()
+
+    def _waiting_fraction(self, learner: str) -> float | None:
+        points = self._waits.get(learner)
+        if not points or len(points) < 2:
+            return None
+        (t0, w0), (t1, w1) = points[0], points[-1]
+        if t1 - t0 < 1.0:  # too short to tell (both beats seen by one or two close polls)
+            return None
+        return min(1.0, max(0.0, (w1 - w0) / (t1 - t0)))
 
     def _open_rounds(self, snapshots: Sequence[str]) -> dict[int, tuple[str, ...]]:
         found: dict[int, list[str]] = {}
@@ -220,15 +307,21 @@ class RunWatcher:
         for learner, lease in sorted(self._leases.known().items()):
             beat = self._beats.get(learner, (None, None))[1]
             leaving = lease.leaving or (beat is not None and beat.leaving)
+            is_live = learner in live and not leaving
             learners.append(
                 LearnerView(
                     learner=learner,
-                    live=learner in live and not leaving,
+                    live=is_live,
                     beat=lease.beat,
                     leaving=leaving,
                     steps=None if beat is None else beat.steps,
                     samples=None if beat is None else beat.samples,
                     seconds_since_beat=max(0.0, now - lease.changed_at),
+                    sync_points=None if beat is None else beat.sync_points,
+                    contributed=None if beat is None else beat.contributed,
+                    waited_s=None if beat is None else beat.waited_s,
+                    skipped=None if beat is None else beat.skipped,
+                    waiting_fraction=self._waiting_fraction(learner) if is_live else None,
                 )
             )
         if self._samples != self._reported_samples:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -27,6 +28,7 @@ from gradientmail import protocol as p
 from gradientmail.cli.spec import load_spec
 from gradientmail.cli.tools import _ranges
 from tests.conftest import MAILBOXES
+from tests.test_inspect import Run
 from tests.training import Learner, commits, make_model, run_learners
 
 TIMEOUT = 120
@@ -94,6 +96,11 @@ def test_status_align_verify_sweep_rm(mailbox: gm.Mailbox, tmp_path: Path) -> No
     assert view["rounds_committed"] == len(training)
     assert view["newest_round"] == max(c.round for c in history)
     assert {v["learner"]: v["steps"] for v in view["learners"]} == {"alice": 30, "bob": 30}
+    for learner in view["learners"]:  # the Session's counters, from its last (leaving) beat
+        assert learner["sync_points"] > 0, learner
+        assert learner["contributed"] > 0, learner
+        assert learner["skipped"] == 0, learner  # the default policy never skips one
+    assert view["sync"]["sync_points"] == sum(v["sync_points"] for v in view["learners"])
     table = cli("status", url)
     assert table.returncode == 0, table.stderr
     assert f"rounds committed {len(training)}" in table.stdout
@@ -196,6 +203,128 @@ def test_sweep_and_verify_follow_payloads_stored_in_parts(
 
 
 # -- the errors ------------------------------------------------------------------------------
+
+
+def test_status_shows_sync_points_per_learner(mailbox: gm.Mailbox) -> None:
+    """Beats with sync-point counters (and one from a release without them), written into
+    the store as learners write them: ``status`` and ``status --json`` show them per learner
+    and name the learner that skips."""
+    url = url_of(mailbox)
+    run = Run(mailbox)
+    run.create()
+    run.commit(2, {"alice": 16, "bob": 16})
+    run.beat("alice", 4, steps=80, samples=640, sync_points=16, contributed=16, waited_s=2.5)
+    run.beat("bob", 3, steps=80, samples=640, sync_points=16, contributed=4, skipped=12)
+    run.old_beat("carol", 1, steps=7, samples=56)
+
+    status = cli("status", url, "--json")
+    assert status.returncode == 0, status.stderr
+    view = json.loads(status.stdout)
+    counters = {
+        v["learner"]: (v["sync_points"], v["contributed"], v["waited_s"], v["skipped"])
+        for v in view["learners"]
+    }
+    assert counters == {
+        "alice": (16, 16, 2.5, 0),
+        "bob": (16, 4, 0.0, 12),
+        "carol": (0, 0, 0.0, 0),
+    }
+    assert [v["skipping"] for v in view["learners"]] == [False, True, False]
+    assert view["sync"] == {
+        "sync_points": 32,
+        "contributed": 20,
+        "waited_s": 2.5,
+        "skipped": 12,
+        "skipping": ["bob"],
+        "stalling": [],
+    }
+
+    table = cli("status", url)
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("learner"))
+    assert header.split() == [
+        "learner", "steps", "samples", "syncs", "contrib", "skipped", "waited", "lease", "(last",
+        "beat)",
+    ]  # fmt: skip
+    rows = {line.split()[0]: line.split() for line in lines[lines.index(header) + 1 :]}
+    assert rows["alice"][:7] == ["alice", "80", "640", "16", "16", "0", "2.5"]
+    assert rows["bob"][:7] == ["bob", "80", "640", "16", "4", "12", "0.0"]
+    assert rows["carol"][:7] == ["carol", "7", "56", "0", "0", "0", "0.0"]
+    assert "sync points reached 32" in table.stdout
+    assert "skipped 12" in table.stdout
+    assert "skipping sync points: bob (12 of 16)" in table.stdout
+
+
+def test_status_watch_flags_a_learner_that_waits(mailbox: gm.Mailbox) -> None:
+    """Under --watch the share of time a learner waits at sync points is measured between
+    the beats it sees; one that waits most of it is flagged as stalling."""
+    url = url_of(mailbox)
+    run = Run(mailbox)
+    run.create()
+    run.beat("dave", 1, steps=10, sync_points=1, contributed=1, waited_s=1.0)
+    command = ["status", url, "--watch", "--json", "--interval", "0.1"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gradientmail.cli", *command],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        first = json.loads(proc.stdout.readline())
+        (dave,) = first["learners"]
+        assert (dave["waited_s"], dave["waiting_fraction"], dave["stalling"]) == (1.0, None, False)
+        time.sleep(1.2)  # the watcher measures the share over at least a second
+        # It waited far more than the time between the beats: the share is capped at 100%.
+        run.beat("dave", 2, steps=11, sync_points=2, contributed=2, waited_s=100.0)
+        deadline = time.monotonic() + TIMEOUT
+        while (view := json.loads(proc.stdout.readline()))["learners"][0]["beat"] != 2:
+            assert time.monotonic() < deadline
+        (dave,) = view["learners"]
+        assert (dave["waited_s"], dave["waiting_fraction"], dave["stalling"]) == (100.0, 1.0, True)
+        assert view["sync"]["stalling"] == ["dave"]
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=TIMEOUT)
+        assert proc.returncode == 0, err
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_the_table_flags_stalling_learners() -> None:
+    """The live table (``run``, and ``status --watch``): a line names the learners that
+    stall, with their share of time waiting; ``status`` shows the share in the waited cell
+    too (``run``'s table is wider and leaves it to that line)."""
+    from rich.console import Console
+
+    from gradientmail.cli.table import NodeRow, render_run
+    from gradientmail.inspect import RunWatcher
+
+    now = [0.0]
+    run = Run(gm.MemoryMailbox())
+    run.create()
+    watcher = RunWatcher(run.box, clock=lambda: now[0])
+    run.beat("erin", 1, steps=5, sync_points=1, contributed=1, waited_s=0.0)
+    asyncio.run(watcher.poll())
+    now[0] += 10.0
+    run.beat("erin", 2, steps=9, sync_points=2, contributed=2, waited_s=4.0)
+    view = asyncio.run(watcher.poll())
+
+    def text(nodes: list[NodeRow] | None) -> str:
+        with open(os.devnull, "w") as sink:
+            console = Console(width=130, record=True, file=sink)
+            console.print(render_run("run", view, polls=2, nodes=nodes))
+        return console.export_text()
+
+    flag = "waiting at sync points 25% of the time or more: erin (40%)"
+    status = text(None)
+    assert flag in status
+    assert re.search(r"erin\s+9\s+0\s+2\s+2\s+0\s+4\.0 s \(40%\)\s+live", status), status
+    under_run = text([NodeRow("erin", "training", 9, 100, 2.0, 1.5, 0)])
+    assert flag in under_run
+    assert re.search(r"erin\s+training\s+\S+\s+9/100 .* 2\s+2\s+0\s+4\.0 s live", under_run)
+    assert "skipping" not in status + under_run
 
 
 def test_an_empty_prefix_is_no_run(mailbox: gm.Mailbox, tmp_path: Path) -> None:

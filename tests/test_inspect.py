@@ -6,12 +6,13 @@ import asyncio
 import hashlib
 import json
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 import gradientmail as gm
 from gradientmail import protocol as p
-from gradientmail.inspect import RunView, RunWatcher, inspect_run
+from gradientmail.inspect import STALLING_FRACTION, RunView, RunWatcher, SyncTotals, inspect_run
 from gradientmail.testing import FaultyMailbox
 
 P = 2  # fragments in every run built here
@@ -66,9 +67,17 @@ class Run:
         )
         self.put(p.round_key(r), p.encode(record))
 
-    def beat(self, learner: str, n: int, steps: int = 0, samples: int = 0) -> None:
+    def beat(self, learner: str, n: int, steps: int = 0, samples: int = 0, **counters: Any) -> None:
+        """A beat as the Session writes it; ``counters``: sync_points, contributed,
+        waited_s, skipped."""
         leaving = n == p.LEAVING_BEAT
-        self.put(p.beat_key(learner, n), p.encode(p.Beat(learner, steps, samples, leaving)))
+        record = p.Beat(learner, steps, samples, leaving, **counters)
+        self.put(p.beat_key(learner, n), p.encode(record))
+
+    def old_beat(self, learner: str, n: int, steps: int = 0, samples: int = 0) -> None:
+        """A beat as a release before the sync-point counters wrote it."""
+        wire = {"learner": learner, "steps": steps, "samples": samples, "leaving": False}
+        self.put(p.beat_key(learner, n), json.dumps(wire).encode())
 
     def snapshot(self, r: int, learner: str, samples: int = 8) -> None:
         record = p.Snapshot(r, learner, samples, sha(f"snap {r}/{learner}"), max(r - P, 0))
@@ -368,3 +377,108 @@ def test_out_of_order_commits_keep_the_newest_round() -> None:
         2,
     )
     assert (fresh.newest_round, fresh.last_contributors, fresh.samples_committed) == (3, ("b",), 12)
+
+
+# -- sync points, from each learner's newest beat ---------------------------------------------
+
+
+def test_sync_point_counters_per_learner_and_summed(mailbox: gm.Mailbox) -> None:
+    run = Run(mailbox)
+    run.create()
+    run.commit(2, {"l1": 10, "l2": 10})
+    run.beat("l1", 1, steps=20, sync_points=2, contributed=2, waited_s=0.5)
+    run.beat("l1", 2, steps=40, sync_points=4, contributed=4, waited_s=1.25)  # the newest
+    run.beat("l2", 1, steps=40, sync_points=4, contributed=1, waited_s=0.0, skipped=3)
+    run.beat("l3", p.LEAVING_BEAT, steps=8, sync_points=1, contributed=1, waited_s=2.0)
+    view = asyncio.run(inspect_run(mailbox))
+    l1, l2, l3 = view.learners
+    counters = [(v.sync_points, v.contributed, v.waited_s, v.skipped) for v in view.learners]
+    assert counters == [(4, 4, 1.25, 0), (4, 1, 0.0, 3), (1, 1, 2.0, 0)]
+    flags = [(v.skipping, v.stalling) for v in view.learners]
+    assert flags == [(False, False), (True, False), (False, False)]
+    # Summed over every learner known, the one that left included (a finished run keeps them).
+    assert view.sync == SyncTotals(
+        sync_points=9, contributed=6, waited_s=3.25, skipped=3, skipping=("l2",), stalling=()
+    )
+    assert (l1.waiting_fraction, l2.waiting_fraction, l3.waiting_fraction) == (None, None, None)
+
+
+def test_beats_without_the_counters_read_as_zero() -> None:
+    """A learner of an earlier release writes beats without the counters: they decode."""
+    run = Run(gm.MemoryMailbox())
+    run.create()
+    run.old_beat("old", 3, steps=12, samples=6)
+    run.beat("new", 1, steps=12, samples=6, sync_points=2, contributed=2)
+    new, old = asyncio.run(inspect_run(run.box)).learners  # sorted by id
+    assert (old.steps, old.samples, old.sync_points, old.contributed) == (12, 6, 0, 0)
+    assert (old.waited_s, old.skipped, old.skipping, old.stalling) == (0.0, 0, False, False)
+    assert (new.sync_points, new.contributed) == (2, 2)
+    data = asyncio.run(run.box.get(p.beat_key("old", 3)))
+    assert p.decode_beat(p.beat_key("old", 3), data) == p.Beat("old", 12, 6, False)
+    # And what the Session writes now round-trips, with the keyword names it uses.
+    beat = p.Beat("x", 1, 2, False, sync_points=3, contributed=2, waited_s=0.125, skipped=1)
+    assert p.decode_beat(p.beat_key("x", 1), p.encode(beat)) == beat
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"sync_points": -1},
+        {"contributed": "3"},
+        {"skipped": 1.5},
+        {"waited_s": -0.5},
+        {"waited_s": "1"},
+        {"waited_s": True},
+    ],
+)
+def test_malformed_sync_counters_name_the_beat(change: dict[str, object]) -> None:
+    run = Run(gm.MemoryMailbox())
+    run.create()
+    wire = {**p.Beat("l1", 1, 1).to_wire(), **change}
+    run.put(p.beat_key("l1", 4), json.dumps(wire).encode())
+    with pytest.raises(gm.ProtocolError, match=r"^leases/l1/0000000004: "):
+        asyncio.run(inspect_run(run.box))
+    with pytest.raises(gm.ProtocolError, match=r"^leases/x/0000000001: "):
+        p.decode_beat(p.beat_key("x", 1), json.dumps({**wire, "waited_s": float("nan")}).encode())
+
+
+def test_waiting_fraction_and_stalling_on_the_observer_clock() -> None:
+    now, clock = fake_clock()
+    run = Run(gm.MemoryMailbox())
+    run.create()
+    watcher = RunWatcher(run.box, lease_timeout=60.0, clock=clock, wait_window=30.0)
+    run.beat("slow", 1, sync_points=1, contributed=1, waited_s=10.0)
+    run.beat("fast", 1, sync_points=1, contributed=1, waited_s=1.0)
+    slow, fast = poll(watcher).learners[::-1]
+    assert (slow.waiting_fraction, fast.waiting_fraction) == (None, None)  # one beat each
+
+    now[0] += 10.0
+    run.beat("slow", 2, sync_points=2, contributed=2, waited_s=16.0)  # 6 s of the last 10
+    run.beat("fast", 2, sync_points=2, contributed=2, waited_s=1.2)  # 0.2 s of 10
+    view = poll(watcher)
+    fast, slow = view.learners
+    assert slow.waiting_fraction == pytest.approx(0.6)
+    assert fast.waiting_fraction == pytest.approx(0.02)
+    assert (slow.stalling, fast.stalling) == (True, False)
+    assert view.sync.stalling == ("slow",)
+    assert view.sync.waited_s == pytest.approx(17.2)
+
+    # The window slides: 40 s later, only the last 30 s or so count.
+    for _ in range(4):
+        now[0] += 10.0
+        run.beat("slow", slow.beat + 1, sync_points=3, contributed=3, waited_s=16.5)
+        slow = poll(watcher).learners[1]
+    assert slow.waiting_fraction is not None
+    assert slow.waiting_fraction < STALLING_FRACTION
+    assert not slow.stalling
+
+    # A counter that goes back (the learner restarted under its id) starts over.
+    now[0] += 10.0
+    run.beat("slow", slow.beat + 1, sync_points=1, contributed=1, waited_s=0.0)
+    assert poll(watcher).learners[1].waiting_fraction is None
+
+    # A learner that left is neither waiting nor stalling.
+    run.beat("fast", p.LEAVING_BEAT, sync_points=3, contributed=3, waited_s=100.0)
+    now[0] += 10.0
+    fast = poll(watcher).learners[0]
+    assert (fast.live, fast.waiting_fraction, fast.stalling) == (False, None, False)

@@ -340,9 +340,16 @@ def _status_line(title: str, view: RunView | None, rate: float | None) -> str:
     if view is None or not view.exists:
         return f"[{title}] waiting for the run to appear"
     shown = "—" if rate is None else f"{rate / (view.fragments or 1):,.0f}"
+    sync = view.sync
+    trouble = ""
+    if sync.skipped:
+        trouble += f", sync points skipped {sync.skipped} ({', '.join(sync.skipping)})"
+    if sync.stalling:
+        trouble += f", waiting at sync points: {', '.join(sync.stalling)}"
     return (
         f"[{title}] rounds committed {view.rounds_committed}, live learners "
-        f"{view.live_learners}, samples/s {shown}"
+        f"{view.live_learners}, samples/s {shown}, sync points {sync.sync_points} "
+        f"(contributed {sync.contributed}, waited {sync.waited_s:.1f} s){trouble}"
     )
 
 

@@ -2,6 +2,11 @@
 
 Everything shown comes from :class:`gradientmail.inspect.RunView` (the mailbox alone),
 plus, under ``run``, what the local node processes printed (steps, loss, exit status).
+Per learner it shows the sync points reached (``syncs``), the contributions made at them
+(``contrib``), those skipped (``skipped``, red when any) and the seconds ``step()`` waited
+at them (``waited``, with the recent share of time under ``--watch``; yellow when it is
+:data:`~gradientmail.inspect.STALLING_FRACTION` or more); a line under the run's numbers
+names the learners that skip or stall.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from gradientmail.cli._common import (
     store_error,
 )
 from gradientmail.errors import MailboxError
-from gradientmail.inspect import LearnerView, RunView, RunWatcher
+from gradientmail.inspect import STALLING_FRACTION, LearnerView, RunView, RunWatcher
 
 __all__ = ["NodeRow", "SampleRate", "render_run", "view_json"]
 
@@ -96,6 +101,57 @@ def _lease(view: LearnerView | None, polls: int) -> Text:
     return Text("live" + age, style="green") if view.live else Text("lapsed" + age, style="red")
 
 
+def _count(value: int | None, bad: bool = False) -> Text:
+    if value is None:
+        return Text("—", style="dim")
+    return Text(f"{value:,}", style="bold red" if bad and value > 0 else "")
+
+
+def _waited(view: LearnerView | None, polls: int, share: bool) -> Text:
+    if view is None or view.waited_s is None:
+        return Text("—", style="dim")
+    text = f"{view.waited_s:,.1f} s"
+    if share and view.waiting_fraction is not None and polls > 1:
+        text += f" ({view.waiting_fraction:.0%})"
+    return Text(text, style="bold yellow" if view.stalling else "")
+
+
+def _sync_cells(view: LearnerView | None, polls: int, share: bool) -> list[RenderableType]:
+    if view is None:
+        return [Text("—", style="dim")] * 4
+    return [
+        _count(view.sync_points),
+        _count(view.contributed),
+        _count(view.skipped, bad=True),
+        _waited(view, polls, share),
+    ]
+
+
+def _flags(view: RunView) -> list[RenderableType]:
+    """A line for each kind of trouble at sync points, naming the learners."""
+    lines: list[RenderableType] = []
+    skipping = [v for v in view.learners if v.skipping]
+    if skipping:
+        who = ", ".join(f"{v.learner} ({v.skipped:,} of {v.sync_points or 0:,})" for v in skipping)
+        lines.append(
+            Text(
+                f"skipping sync points: {who}; their work at those points was never synced",
+                style="red",
+            )
+        )
+    stalling = [v for v in view.learners if v.stalling]
+    if stalling:
+        who = ", ".join(f"{v.learner} ({v.waiting_fraction or 0:.0%})" for v in stalling)
+        lines.append(
+            Text(
+                f"waiting at sync points {STALLING_FRACTION:.0%} of the time or more: {who}; "
+                "the mailbox or a round's closer is holding them back",
+                style="yellow",
+            )
+        )
+    return lines
+
+
 def _summary(view: RunView | None, polls: int, rate: float | None) -> Table:
     grid = Table.grid(padding=(0, 3))
     for _ in range(3):
@@ -124,21 +180,39 @@ def _summary(view: RunView | None, polls: int, rate: float | None) -> Table:
         f"samples committed {view.samples_committed // per:,}",
         f"creator {view.creator or '—'}",
     )
+    sync = view.sync
+    grid.add_row(
+        f"sync points reached {sync.sync_points:,}",
+        f"contributed {sync.contributed:,}",
+        Text.assemble(
+            "skipped ",
+            (f"{sync.skipped:,}", "bold red" if sync.skipped else "bold"),
+            f"   waited {sync.waited_s:,.1f} s",
+        ),
+    )
     return grid
 
 
 def _learners(view: RunView | None, nodes: Sequence[NodeRow] | None, polls: int) -> Table:
     seen = {v.learner: v for v in view.learners} if view is not None else {}
-    table = Table(expand=False, pad_edge=False, box=None, header_style="bold")
+    # Under `run` the table is wide (process, progress, loss): one space between columns,
+    # and the waiting share only in the flag line, so it fits 130 columns. Narrower, the
+    # loss and lease cells wrap onto a second line first; the numbers are never cut.
+    wide = nodes is not None
+    table = Table(
+        expand=False, pad_edge=False, box=None, header_style="bold", collapse_padding=wide
+    )
     table.add_column("learner", no_wrap=True)
     if nodes is not None:
         table.add_column("process", no_wrap=True)
         table.add_column("progress", no_wrap=True)
-        table.add_column("loss", no_wrap=True)
+        table.add_column("loss")
     else:
-        table.add_column("steps", justify="right")
-    table.add_column("samples", justify="right")
-    table.add_column("lease (last beat)", no_wrap=True)
+        table.add_column("steps", justify="right", no_wrap=True)
+    table.add_column("samples", justify="right", no_wrap=True)
+    for heading in ("syncs", "contrib", "skipped", "waited"):
+        table.add_column(heading, justify="right", no_wrap=True)
+    table.add_column("lease (last beat)")
     shown: set[str] = set()
     for node in nodes or ():
         shown.add(node.learner)
@@ -167,6 +241,7 @@ def _learners(view: RunView | None, nodes: Sequence[NodeRow] | None, polls: int)
             progress,
             _loss(node.first_loss, node.last_loss),
             _number(lv.samples, digits=0) if lv and lv.samples is not None else "—",
+            *_sync_cells(lv, polls, share=not wide),
             _lease(lv, polls),
         )
     for learner, lv in seen.items():
@@ -177,7 +252,8 @@ def _learners(view: RunView | None, nodes: Sequence[NodeRow] | None, polls: int)
             cells += [Text("elsewhere", style="dim"), Text(str(lv.steps or 0)), Text("—")]
         else:
             cells.append("—" if lv.steps is None else f"{lv.steps:,}")
-        cells += ["—" if lv.samples is None else f"{lv.samples:,}", _lease(lv, polls)]
+        cells.append("—" if lv.samples is None else f"{lv.samples:,}")
+        cells += [*_sync_cells(lv, polls, share=not wide), _lease(lv, polls)]
         table.add_row(*cells)
     return table
 
@@ -196,6 +272,8 @@ def render_run(
     if rate is None and view is not None:
         rate = view.samples_per_second
     parts: list[RenderableType] = [Text(title, style="bold"), _summary(view, polls, rate)]
+    if view is not None and view.exists:
+        parts += _flags(view)
     if error:
         parts.append(Text(f"mailbox: {error}", style="red"))
     if nodes or (view is not None and view.learners):
@@ -204,6 +282,7 @@ def render_run(
 
 
 def view_json(url: str, view: RunView) -> dict[str, Any]:
+    sync = view.sync
     return {
         "url": url,
         "exists": view.exists,
@@ -219,6 +298,14 @@ def view_json(url: str, view: RunView) -> dict[str, Any]:
         "open_rounds": {str(r): list(who) for r, who in sorted(view.open_rounds.items())},
         "seconds_since_commit": view.seconds_since_commit,
         "samples_per_second": view.samples_per_second,
+        "sync": {
+            "sync_points": sync.sync_points,
+            "contributed": sync.contributed,
+            "waited_s": sync.waited_s,
+            "skipped": sync.skipped,
+            "skipping": list(sync.skipping),
+            "stalling": list(sync.stalling),
+        },
         "learners": [
             {
                 "learner": v.learner,
@@ -228,6 +315,13 @@ def view_json(url: str, view: RunView) -> dict[str, Any]:
                 "steps": v.steps,
                 "samples": v.samples,
                 "seconds_since_beat": v.seconds_since_beat,
+                "sync_points": v.sync_points,
+                "contributed": v.contributed,
+                "waited_s": v.waited_s,
+                "skipped": v.skipped,
+                "waiting_fraction": v.waiting_fraction,
+                "skipping": v.skipping,
+                "stalling": v.stalling,
             }
             for v in view.learners
         ],

@@ -29,7 +29,12 @@ from gradientmail.runspec import GROUP, PLURAL, VERSION, GradientMailRunSpec
 from gradientmail_operator import render
 from gradientmail_operator.kube import Kube
 from gradientmail_operator.reconcile import Phase, Reason, plan
-from gradientmail_operator.status import conditions_patch, view_status
+from gradientmail_operator.status import (
+    conditions_patch,
+    sync_condition,
+    sync_warnings,
+    view_status,
+)
 
 RECONCILE_INTERVAL = float(os.environ.get("GRADIENTMAIL_OPERATOR_RECONCILE_INTERVAL", "2"))
 STATUS_INTERVAL = float(os.environ.get("GRADIENTMAIL_OPERATOR_STATUS_INTERVAL", "10"))
@@ -236,13 +241,18 @@ async def _observe(
         conditions, "MailboxReachable", True, Reason.MAILBOX_REACHABLE, "listing works"
     )
     training = view.rounds_committed > 0
-    return conditions_patch(
+    conditions = conditions_patch(
         conditions,
         "Progressing",
         training,
         Reason.TRAINING if training else Reason.WAITING_FOR_ROUNDS,
         f"{view.rounds_committed} rounds committed, {view.live_learners} learners live",
     )
+    warned: set[tuple[Reason, str]] = memo.setdefault("sync_warned", set())
+    for reason, message in sync_warnings(view, warned):
+        kopf.warn(body, reason=reason.value, message=message)
+    ok, reason, message = sync_condition(view)
+    return conditions_patch(conditions, "SyncPointsContributed", ok, reason, message)
 
 
 def _warn_once(body: kopf.Body, memo: kopf.Memo, reason: Reason, message: str) -> None:

@@ -40,6 +40,9 @@ class Reason(StrEnum):
     MAILBOX_MISCONFIGURED = "MailboxMisconfigured"
     TRAINING = "Training"
     WAITING_FOR_ROUNDS = "WaitingForRounds"
+    ALL_SYNC_POINTS_CONTRIBUTED = "AllSyncPointsContributed"
+    SYNC_POINTS_SKIPPED = "SyncPointsSkipped"
+    WAITING_AT_SYNC_POINTS = "WaitingAtSyncPoints"
 
 
 @dataclass(frozen=True)

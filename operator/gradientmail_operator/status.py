@@ -1,11 +1,19 @@
-"""Status: conditions keyed by type, and the mailbox's view of the run."""
+"""Status: conditions keyed by type, and the mailbox's view of the run.
+
+Sync points (from each learner's newest beat): the status sums them over every learner the
+mailbox knows (``syncPointsReached``, ``syncPointsContributed``, ``syncPointsSkipped``,
+``waitedSeconds``), lists them per learner, and the ``SyncPointsContributed`` condition says
+whether any learner skipped one (``SyncPointsSkipped``) or waits at them a large share of
+its time (``WaitingAtSyncPoints``); :func:`sync_warnings` gives the events for a learner
+that starts doing either.
+"""
 
 from __future__ import annotations
 
 import datetime
 from typing import Any
 
-from gradientmail.inspect import RunView
+from gradientmail.inspect import STALLING_FRACTION, LearnerView, RunView
 from gradientmail_operator.reconcile import Reason
 
 
@@ -49,16 +57,32 @@ def conditions_patch(
     return result
 
 
+def _learner(lv: LearnerView) -> dict[str, Any]:
+    return {
+        "id": lv.learner,
+        "live": lv.live,
+        "steps": lv.steps,
+        "syncPoints": lv.sync_points,
+        "contributed": lv.contributed,
+        "skipped": lv.skipped,
+        "waitedSeconds": None if lv.waited_s is None else round(lv.waited_s, 1),
+        "waitingFraction": (None if lv.waiting_fraction is None else round(lv.waiting_fraction, 2)),
+    }
+
+
 def view_status(view: RunView) -> dict[str, Any]:
+    sync = view.sync
     return {
         "roundsCommitted": view.rounds_committed,
         "newestRound": view.newest_round,
         "newestRoundPerFragment": {str(f): r for f, r in sorted(view.newest_per_fragment.items())},
         "liveLearners": view.live_learners,
-        "learners": [
-            {"id": lv.learner, "live": lv.live, "steps": lv.steps} for lv in view.learners
-        ][:50],
+        "learners": [_learner(lv) for lv in view.learners][:50],
         "samples": view.samples_committed,
+        "syncPointsReached": sync.sync_points,
+        "syncPointsContributed": sync.contributed,
+        "syncPointsSkipped": sync.skipped,
+        "waitedSeconds": round(sync.waited_s, 1),
         "lastCommitAgeSeconds": (
             None if view.seconds_since_commit is None else round(view.seconds_since_commit, 1)
         ),
@@ -66,3 +90,78 @@ def view_status(view: RunView) -> dict[str, Any]:
             None if view.samples_per_second is None else round(view.samples_per_second, 1)
         ),
     }
+
+
+def _skips(lv: LearnerView) -> str:
+    return f"{lv.learner} skipped {lv.skipped or 0} of {lv.sync_points or 0}"
+
+
+def _waits(lv: LearnerView) -> str:
+    return f"{lv.learner} waited {lv.waiting_fraction or 0:.0%} of the time"
+
+
+def sync_condition(view: RunView) -> tuple[bool, Reason, str]:
+    """The ``SyncPointsContributed`` condition: False while any learner has skipped a sync
+    point (its work there never synced); True otherwise, with ``WaitingAtSyncPoints`` as the
+    reason while a live learner waits at sync points STALLING_FRACTION of its time or more."""
+    sync = view.sync
+    if sync.skipping:
+        skipping = [lv for lv in view.learners if lv.skipping]
+        names = "; ".join(_skips(lv) for lv in skipping[:10])
+        return (
+            False,
+            Reason.SYNC_POINTS_SKIPPED,
+            f"{sync.skipped} of {sync.sync_points} sync points skipped ({names}): their "
+            "work at those points was never synced",
+        )
+    if sync.stalling:
+        stalling = [lv for lv in view.learners if lv.stalling]
+        names = "; ".join(_waits(lv) for lv in stalling[:10])
+        return (
+            True,
+            Reason.WAITING_AT_SYNC_POINTS,
+            f"learners wait at sync points ({names}): the mailbox or a round's closer holds "
+            "them back",
+        )
+    if not sync.sync_points:
+        return True, Reason.ALL_SYNC_POINTS_CONTRIBUTED, "no sync point reached yet"
+    return (
+        True,
+        Reason.ALL_SYNC_POINTS_CONTRIBUTED,
+        f"{sync.contributed} contributions at {sync.sync_points} sync points, none skipped; "
+        f"{sync.waited_s:.1f} s waited in all",
+    )
+
+
+def sync_warnings(view: RunView, warned: set[tuple[Reason, str]]) -> list[tuple[Reason, str]]:
+    """Warning events for learners that started skipping or stalling since ``warned`` (the
+    (reason, learner) pairs already reported, updated in place): one event each, and one
+    again for a learner that stalls again after it recovered."""
+    events = []
+    now = set()
+    for lv in view.learners:
+        if lv.skipping:
+            now.add((Reason.SYNC_POINTS_SKIPPED, lv.learner))
+            if (Reason.SYNC_POINTS_SKIPPED, lv.learner) not in warned:
+                events.append(
+                    (
+                        Reason.SYNC_POINTS_SKIPPED,
+                        f"learner {_skips(lv)} sync points: its work at those points was "
+                        "never synced",
+                    )
+                )
+        if lv.stalling:
+            now.add((Reason.WAITING_AT_SYNC_POINTS, lv.learner))
+            if (Reason.WAITING_AT_SYNC_POINTS, lv.learner) not in warned:
+                events.append(
+                    (
+                        Reason.WAITING_AT_SYNC_POINTS,
+                        f"learner {_waits(lv)} at sync points (at least "
+                        f"{STALLING_FRACTION:.0%}): the mailbox or a round's closer holds it "
+                        "back",
+                    )
+                )
+    # Skipping stays reported (the count only grows); a stall that ended may be reported again.
+    warned -= {item for item in warned if item[0] == Reason.WAITING_AT_SYNC_POINTS} - now
+    warned |= now
+    return events

@@ -148,6 +148,17 @@ def test_a_run_trains_to_succeeded(operator: KubeCluster, tmp_path: Path) -> Non
     }
     assert len(rounds_seen) >= 2, f"the Round column never grew while running: {seen}"
     assert final["roundsCommitted"] >= 6
+    # Sync points, from the learners' beats: every learner reached and contributed at them,
+    # and none was skipped (the default policy waits rather than skip).
+    assert final["syncPointsReached"] > 0, final
+    assert final["syncPointsContributed"] > 0, final
+    assert final["syncPointsSkipped"] == 0, final
+    assert final["waitedSeconds"] >= 0.0
+    assert all(learner["syncPoints"] > 0 for learner in final["learners"]), final["learners"]
+    synced = _condition(cluster, "exp", "SyncPointsContributed")
+    assert synced is not None
+    assert synced["status"] == "True", synced
+    assert synced["reason"] in ("AllSyncPointsContributed", "WaitingAtSyncPoints"), synced
     assert final["prefix"].startswith("default/exp-")
     assert _condition(cluster, "exp", "Complete")["status"] == "True"
     assert _events(cluster, "AllNodesSucceeded")
