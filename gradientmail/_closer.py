@@ -47,10 +47,10 @@ import torch
 from gradientmail import protocol as p
 from gradientmail._buffers import BufferPool
 from gradientmail._layout import ModelLayout
-from gradientmail._leases import LeaseTracker
 from gradientmail._parts import blob_keys
-from gradientmail._retry import retrying
 from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.coord.leases import LeaseTracker
+from gradientmail.coord.retry import retrying
 from gradientmail.errors import ProtocolError
 from gradientmail.events import Committed, Event
 from gradientmail.mailbox import Mailbox

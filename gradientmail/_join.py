@@ -45,9 +45,9 @@ import torch
 
 from gradientmail import protocol as p
 from gradientmail._layout import ModelLayout
-from gradientmail._leases import LeaseTracker
-from gradientmail._retry import retrying
 from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.coord.leases import LeaseTracker
+from gradientmail.coord.retry import retrying
 from gradientmail.errors import ProtocolError
 from gradientmail.mailbox import Mailbox
 from gradientmail.payload import get_tensors, put_tensors
@@ -342,6 +342,6 @@ def align(model: torch.nn.Module, *, mailbox: Mailbox, timeout: float = 60.0) ->
     Returns ``{fragment: round}`` of the commits loaded. For evaluation, or to start a new
     process from the run's current state.
     """
-    from gradientmail._threads import run_coroutine
+    from gradientmail.coord.threads import run_coroutine
 
     return run_coroutine(_align(model, mailbox, timeout))

@@ -46,11 +46,12 @@ from gradientmail._buffers import BufferPool
 from gradientmail._closer import RoundCloser
 from gradientmail._join import establish, load_newest
 from gradientmail._layout import ModelLayout
-from gradientmail._leases import LeaseTracker
 from gradientmail._metered import Metered
-from gradientmail._retry import Stopped, retrying
-from gradientmail._threads import Wake, run_coroutine
 from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.coord.heartbeat import Heartbeat
+from gradientmail.coord.leases import LeaseTracker
+from gradientmail.coord.retry import Stopped, retrying
+from gradientmail.coord.threads import Wake, run_coroutine
 from gradientmail.errors import ProtocolError
 from gradientmail.events import (
     Applied,
@@ -225,7 +226,6 @@ class Session:
         # delay the hand-over of the new parameters (the syncer would download them).
         self._closer_events: list[Event] = []
         self._tracker = LeaseTracker(lease_timeout)
-        self._beat_interval = lease_timeout / 3
         self._closer = RoundCloser(
             self._box,
             self._layout,
@@ -249,6 +249,7 @@ class Session:
         self._due = {self.algorithm.offset(f): f for f in range(self._fragments)}
         # The local step at which step() must next wait for an in-flight commit (overlap).
         self._wait_at = _NEVER
+        self._waiting_since: float | None = None  # when a wait in progress began
         # Fragment copies handed to the communication thread: one is in flight per fragment
         # at a time, so two sets per fragment suffice (a third would only pin memory).
         self._snapshots = BufferPool(per_key=2)
@@ -261,8 +262,9 @@ class Session:
         self._staged: dict[int, _Staged] = {}
         self._known = [0] * self._fragments  # newest commit per fragment seen or staged
         self._bad: set[str] = set()  # round records reported unreadable (reported once)
-        self._beat_no = 0
-        self._oldest_beat = 0
+        self._heartbeat = Heartbeat(
+            self._box, p.LEASES, self.learner_id, self._beat_record, lease_timeout / 3
+        )
         self._wake_sync = Wake()  # this learner published or committed: look for commits
         self._wake_comm = Wake()  # step() handed a fragment over
         self._closed = False
@@ -342,10 +344,7 @@ class Session:
             self._stop.set()
             for thread in self._threads:
                 thread.join(timeout=60)
-        try:
-            run_coroutine(self._beat(leaving=True, deadline=time.monotonic() + 30))
-        except Exception as exc:  # the lease will lapse on its own
-            self._emit(PollFailed(self.learner_id, error=f"leaving beat: {exc!r}"))
+        self._leave()
         self._emit(Left(self.learner_id, clean=not waiting))
         if waiting:
             raise TimeoutError(
@@ -462,6 +461,8 @@ class Session:
         if pending is None:
             return True
         started = time.monotonic()
+        with self._lock:
+            self._waiting_since = started  # beats count a wait in progress too
         done = False
         while True:
             # Lowered before looking: a commit staged after the look raises it again, so
@@ -476,6 +477,7 @@ class Session:
             self._changed.wait(min(left, 0.5))
         seconds = time.monotonic() - started
         with self._lock:
+            self._waiting_since = None
             self._counters.waits += 1
             self._counters.waited_s += seconds
             if not done:
@@ -517,8 +519,7 @@ class Session:
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=60)
-        with contextlib.suppress(Exception):
-            run_coroutine(self._beat(leaving=True, deadline=time.monotonic() + 30))
+        self._leave()
         self._emit(Left(self.learner_id, clean=False))
 
     # -- joining -----------------------------------------------------------------------------
@@ -538,19 +539,9 @@ class Session:
             self._layout.load(fragment, values)
             self._ref[fragment] = values
             self._applied[fragment] = self._known[fragment] = rounds[fragment]
-        # A restarted learner continues its own beat numbers; a leaving beat from a previous
-        # life would mark it gone for good, so it goes first.
-        own = await retrying(
-            partial(self._box.list, p.lease_prefix(self.learner_id)), deadline=deadline
-        )
-        beats = sorted(p.parse_beat_key(key)[1] for key in own)
-        newest = max((b for b in beats if b != p.LEAVING_BEAT), default=-1)
-        stale = [p.beat_key(self.learner_id, b) for b in beats if b != newest]
-        if stale:  # beats of a previous life, the leaving beat first among them
-            await retrying(partial(self._box.delete, stale), deadline=deadline)
-        self._beat_no = newest + 1
-        self._oldest_beat = max(newest, 0)
-        await self._beat(deadline=deadline)
+        # A restarted learner continues its own beat numbers (its leaving beat of a
+        # previous life removed first, or it would read as gone for good).
+        await self._heartbeat.start(deadline=deadline)
         self._emit(Joined(self.learner_id, creator=creator, rounds=tuple(self._applied)))
         return creator
 
@@ -649,10 +640,13 @@ class Session:
             with contextlib.suppress(Exception):  # a broken callback must not stop the session
                 self._on_event(event)
 
-    async def _beat(self, *, leaving: bool = False, deadline: float | None = None) -> None:
-        number = p.LEAVING_BEAT if leaving else self._beat_no
+    def _beat_record(self, leaving: bool) -> bytes:
+        """A beat carries this learner's counters (``gradientmail status`` shows them)."""
         with self._lock:
             c = self._counters
+            waited = c.waited_s
+            if self._waiting_since is not None:  # a wait in progress counts too
+                waited += time.monotonic() - self._waiting_since
             beat = p.Beat(
                 self.learner_id,
                 self._steps,
@@ -660,37 +654,26 @@ class Session:
                 leaving,
                 sync_points=c.sync_points,
                 contributed=c.published,
-                waited_s=round(c.waited_s, 3),
+                waited_s=round(waited, 3),
                 skipped=c.skipped_syncs,
             )
-        record = p.encode(beat)
-        key = p.beat_key(self.learner_id, number)
-        stop = None if leaving else self._stop
-        await retrying(partial(self._box.put_if_absent, key, record), stop=stop, deadline=deadline)
-        if not leaving:
-            self._beat_no += 1
-            # Keep the newest two beats; sweep older ones in batches (one request per eight
-            # beats, not one per beat: an idle learner's request rate matters on S3 bills).
-            if number - self._oldest_beat >= 9:
-                old = [p.beat_key(self.learner_id, n) for n in range(self._oldest_beat, number - 1)]
-                await retrying(partial(self._box.delete, old), stop=stop, deadline=deadline)
-                self._oldest_beat = number - 1
+        return p.encode(beat)
 
-    async def _heartbeats(self) -> None:
-        """Renew the lease every ``lease_timeout / 3`` seconds, whatever else this loop is
-        doing: beats used to be written between transfers, so a publish or a close longer
-        than the lease made a healthy learner look dead and others repeated its close."""
-        while not self._stop.is_set():
-            try:
-                await self._beat()
-            except Stopped:
-                return
-            except Exception as exc:
-                self._emit(PollFailed(self.learner_id, error=f"beat: {exc!r}"))
-            await self._pause(self._beat_interval)
+    def _leave(self) -> None:
+        try:
+            run_coroutine(self._heartbeat.leave(deadline=time.monotonic() + 30))
+        except Exception as exc:  # the lease will lapse on its own
+            self._emit(PollFailed(self.learner_id, error=f"leaving beat: {exc!r}"))
 
     async def _communicate(self) -> None:
-        beats = asyncio.create_task(self._heartbeats())
+        # Beats run as a task of their own: a long publish or close on this loop would
+        # otherwise make a healthy learner look dead, and others would repeat its close.
+        beats = asyncio.create_task(
+            self._heartbeat.run(
+                self._stop,
+                lambda exc: self._emit(PollFailed(self.learner_id, error=f"beat: {exc!r}")),
+            )
+        )
         try:
             await self._communicate_loop()
         finally:

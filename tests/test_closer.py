@@ -13,7 +13,7 @@ import gradientmail as gm
 from gradientmail import protocol as p
 from gradientmail._closer import Outcome, RoundCloser
 from gradientmail._layout import ModelLayout
-from gradientmail._leases import LeaseTracker
+from gradientmail.coord.leases import LeaseTracker
 from gradientmail.payload import get_tensors, put_tensors
 from gradientmail.testing import FaultyMailbox
 

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 import gradientmail as gm
-from gradientmail import _retry
 from gradientmail import protocol as p
 from gradientmail._closer import Outcome, RoundCloser
 from gradientmail._layout import ModelLayout
-from gradientmail._leases import LeaseTracker
+from gradientmail.coord import retry as _retry
+from gradientmail.coord.leases import LeaseTracker
 from gradientmail.errors import MailboxUnavailable, ProtocolError
 from gradientmail.events import Committed, Event
 from gradientmail.payload import encode, put_tensors

@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from gradientmail import _retry
-from gradientmail._retry import Stopped, retrying
+from gradientmail.coord import retry as _retry
+from gradientmail.coord.retry import Stopped, retrying
 from gradientmail.errors import MailboxUnavailable
 
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import gradientmail as gm
-from gradientmail import _retry
 from gradientmail import protocol as p
+from gradientmail.coord import retry as _retry
 from gradientmail.payload import get_tensors
 from gradientmail.testing import FaultyMailbox
 from tests.support.waiting import wait_until
@@ -430,7 +430,7 @@ def test_a_wake_raised_from_another_thread_ends_the_wait_at_once() -> None:
     """The hand-over from step() (or a commit) reaches the waiting loop without a polling
     slice: a wait of ten minutes ends when another thread raises the flag (the suite's
     timeout fails this test if it does not)."""
-    from gradientmail._threads import Wake
+    from gradientmail.coord.threads import Wake
 
     wake = Wake()
     waiting = threading.Event()

@@ -35,8 +35,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import TypeVar
 
-from gradientmail._retry import retrying
-from gradientmail._threads import run_coroutine
+from gradientmail.coord.retry import retrying
+from gradientmail.coord.threads import run_coroutine
 from gradientmail.errors import MailboxUnavailable
 from gradientmail.mailbox import Mailbox
 from gradientmail.patterns._keys import check_count, check_seconds, check_segment, check_timeout

@@ -84,16 +84,15 @@ from collections import deque
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from functools import partial
 from types import TracebackType
 from typing import Any, Generic, TypeVar
 
-from gradientmail._leases import LeaseTracker
-from gradientmail._retry import retrying
+from gradientmail.coord.heartbeat import Heartbeat
+from gradientmail.coord.leases import LeaseTracker
 from gradientmail.errors import ProtocolError
 from gradientmail.mailbox import Mailbox
 from gradientmail.patterns._keys import check_count, check_seconds, check_segment
-from gradientmail.protocol import LEASES, LEAVING_BEAT, check_learner_id
+from gradientmail.protocol import LEASES, check_learner_id
 
 __all__ = [
     "DONE",
@@ -141,10 +140,6 @@ async def claim(mailbox: Mailbox, unit: str, learner_id: str, attempt: int = 0) 
     the unit. Only an atomic create-once store makes the winner unique.
     """
     return await mailbox.put_if_absent(claim_key(unit, attempt), learner_id.encode())
-
-
-def _beat_key(learner: str, beat: int) -> str:
-    return f"{QUEUE_LEASES}{learner}/{beat:0{_BEAT_WIDTH}d}"
 
 
 def _holder(key: str, data: bytes | None) -> str:
@@ -281,7 +276,10 @@ class _Worker(Generic[B]):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._marks: asyncio.Queue[tuple[str, int] | None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._beat_no = -1  # no lease yet
+        # The queue's own lease (``units-leases/``): its beats name the learner.
+        self._heartbeat = Heartbeat(
+            self.box, QUEUE_LEASES, learner, lambda leaving: learner.encode(), self.beat_interval
+        )
         self._producer: threading.Thread | None = None
         self._shutdown_future: Future[BaseException | None] | None = None
 
@@ -444,50 +442,17 @@ class _Worker(Generic[B]):
     # the I/O loop: lease and done markers
 
     async def _start_lease(self) -> None:
-        deadline = self.clock() + self.lease_timeout
-        prefix = f"{QUEUE_LEASES}{self.learner}/"
-        own = await retrying(partial(self.box.list, prefix), deadline=deadline)
-        numbers = [int(key[len(prefix) :]) for key in own if key[len(prefix) :].isdigit()]
-        if LEAVING_BEAT in numbers:  # an earlier life left; this one is back
-            await retrying(
-                partial(self.box.delete, [_beat_key(self.learner, LEAVING_BEAT)]),
-                deadline=deadline,
-            )
-            numbers.remove(LEAVING_BEAT)
-        self._beat_no = max(numbers, default=-1) + 1
-        await self._beat(deadline)
+        # An earlier life's beats (its leaving beat among them) go; numbers continue.
+        await self._heartbeat.start(deadline=self.clock() + self.lease_timeout)
         if self._closing.is_set():
             return
         self._marks = asyncio.Queue()
         self._tasks = [
-            asyncio.create_task(self._beat_loop()),
+            asyncio.create_task(
+                self._heartbeat.run(self._closing, self.fail, give_up=True, clock=self.clock)
+            ),
             asyncio.create_task(self._mark_loop()),
         ]
-
-    async def _beat(self, deadline: float, *, leaving: bool = False) -> None:
-        number = LEAVING_BEAT if leaving else self._beat_no
-        key = _beat_key(self.learner, number)
-        # False after a lost response is our own earlier write: a beat names its writer.
-        await retrying(
-            partial(self.box.put_if_absent, key, self.learner.encode()), deadline=deadline
-        )
-        if leaving:
-            return
-        self._beat_no += 1
-        if number >= 2:  # keep the newest two; an older beat that stays does no harm
-            with contextlib.suppress(Exception):
-                await self.box.delete([_beat_key(self.learner, number - 2)])
-
-    async def _beat_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.beat_interval)
-            if self._closing.is_set():
-                return
-            try:
-                await self._beat(self.clock() + self.beat_interval)
-            except Exception as exc:
-                self.fail(exc)
-                return
 
     async def _mark_loop(self) -> None:
         assert self._marks is not None
@@ -535,9 +500,9 @@ class _Worker(Generic[B]):
             await task  # the done markers of every unit that was finished
         for task in self._tasks[:1]:
             task.cancel()
-        if self._beat_no >= 0:
+        if self._heartbeat.number >= 0:
             with contextlib.suppress(Exception):  # else the lease lapses on its own
-                await self._beat(self.clock() + self.beat_interval, leaving=True)
+                await self._heartbeat.leave(deadline=self.clock() + self.beat_interval)
         asyncio.get_running_loop().create_task(self._stop_after_producer())
         return self._error
 
