@@ -49,6 +49,7 @@ from gradientmail._buffers import BufferPool
 from gradientmail._layout import ModelLayout
 from gradientmail._parts import blob_keys
 from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.coord.election import abandoned, claim
 from gradientmail.coord.leases import LeaseTracker
 from gradientmail.coord.retry import retrying
 from gradientmail.errors import ProtocolError
@@ -238,14 +239,14 @@ class RoundCloser:
                     patience += self.tracker.lease_timeout
                 if held < patience:
                     return None
-            elif self.tracker.is_live(holder):
+            elif not abandoned(
+                held=held,
+                live=self.tracker.is_live(holder),
+                lease_timeout=self.tracker.lease_timeout,
                 # A live closer that has not committed within the deadline is replaced: it
                 # may be failing over and over, or stuck.
-                if held < self.claim_timeout:
-                    return None
-            elif held < self.tracker.lease_timeout:
-                # A lapsed lease: wait until this learner watched the claim for a whole
-                # lease period itself.
+                deadline=self.claim_timeout,
+            ):
                 return None
             attempt += 1
             if attempt > _MAX_ATTEMPT:
@@ -259,13 +260,18 @@ class RoundCloser:
                 attempt,
             )
         key = p.claim_key(r, attempt)
-        won = await retrying(partial(self.box.put_if_absent, key, p.encode(p.Claim(self.learner))))
+        won = await claim(
+            self.box,
+            key,
+            p.encode(p.Claim(self.learner)),
+            self.learner,
+            partial(self._holder, watch, attempt=attempt),
+        )
         watch.claim_seen.setdefault(attempt, self.clock())
         if won:
             watch.holders[attempt] = self.learner
             return attempt
-        holder = await self._holder(watch, key, attempt)
-        return attempt if holder == self.learner else None
+        return None
 
     async def _holder(self, watch: _Watch, key: str, attempt: int) -> str:
         """Who holds a claim; claims are created once, so each is read at most once. A claim

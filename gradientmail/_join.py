@@ -46,6 +46,7 @@ import torch
 from gradientmail import protocol as p
 from gradientmail._layout import ModelLayout
 from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.coord.election import abandoned
 from gradientmail.coord.leases import LeaseTracker
 from gradientmail.coord.retry import retrying
 from gradientmail.errors import ProtocolError
@@ -192,8 +193,11 @@ class _Joiner:
         it is expected to change) stood still, and no beat of its own was renewed."""
         beats = await self.call(partial(self.box.list, p.lease_prefix(learner)))
         self.tracker.observe(beats)
-        quiet = self.quiet.unchanged_for(state, self.clock())
-        return quiet >= self.tracker.lease_timeout and not self.tracker.is_live(learner)
+        return abandoned(
+            held=self.quiet.unchanged_for(state, self.clock()),
+            live=self.tracker.is_live(learner),
+            lease_timeout=self.tracker.lease_timeout,
+        )
 
     async def elect(self) -> bool:
         """No manifest yet: claim the creator role if free or abandoned, then write the

@@ -87,6 +87,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Generic, TypeVar
 
+from gradientmail.coord.election import abandoned
 from gradientmail.coord.heartbeat import Heartbeat
 from gradientmail.coord.leases import LeaseTracker
 from gradientmail.errors import ProtocolError
@@ -434,10 +435,13 @@ class _Worker(Generic[B]):
         if holder == self.learner:
             return True  # an earlier life of this learner
         lease = tracker.known().get(holder)
-        if lease is not None and lease.leaving:
-            return True
         first = watched.setdefault(key, self.clock())
-        return not tracker.is_live(holder) and self.clock() - first >= self.lease_timeout
+        return abandoned(
+            held=self.clock() - first,
+            live=tracker.is_live(holder),
+            lease_timeout=self.lease_timeout,
+            leaving=lease is not None and lease.leaving,
+        )
 
     # the I/O loop: lease and done markers
 
