@@ -34,7 +34,6 @@ Fail-safe rules:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
@@ -52,6 +51,7 @@ from gradientmail.algorithms.diloco import DiLoCo
 from gradientmail.coord.election import abandoned, claim
 from gradientmail.coord.leases import LeaseTracker
 from gradientmail.coord.retry import retrying
+from gradientmail.coord.sweep import sweep_after
 from gradientmail.errors import ProtocolError
 from gradientmail.events import Committed, Event
 from gradientmail.mailbox import Mailbox
@@ -63,7 +63,6 @@ _log = logging.getLogger("gradientmail")
 
 GIVE_UP_AFTER = 3  # failed closes of one claim attempt before its holder stops retrying it
 _MAX_WATCHES = 1024  # rounds watched at once, at most (a safety net: see _prune)
-_SWEEP_ROUNDS = 8  # rounds one sweep deletes, at most: the horizon's and leftovers before it
 _REASON_CHARS = 300  # of an exclusion's reason, kept in the record
 _MAX_ATTEMPT = 10**4 - 1  # claim keys have four digits
 _UNKNOWN = ""  # the holder of a claim whose record cannot be read: never a learner id
@@ -83,21 +82,6 @@ class _Watch:
     claim_seen: dict[int, float] = field(default_factory=dict)  # attempt -> first seen
     holders: dict[int, str] = field(default_factory=dict)  # attempt -> claimant (read once)
     failures: dict[int, int] = field(default_factory=dict)  # own attempt -> failed closes
-
-
-def _claim_round(key: str) -> int | None:
-    """``claims/{round}/{attempt}`` -> round; None for any other key under ``claims/``."""
-    parts = key.split("/")
-    if (
-        len(parts) == 3
-        and parts[0] == p.CLAIMS.rstrip("/")
-        and len(parts[1]) == len(p.claims_prefix(0)) - len(p.CLAIMS) - 1
-        and parts[1].isdigit()
-        and parts[2].isdigit()
-        and key == p.claim_key(int(parts[1]), int(parts[2]))
-    ):
-        return int(parts[1])
-    return None
 
 
 def _exclusion(key: str, exc: Exception) -> p.Exclusion:
@@ -221,7 +205,7 @@ class RoundCloser:
         ``others``: the live learners besides this one that contributed to ``r`` (the ones
         that could close it instead)."""
         listed = await retrying(partial(self.box.list, p.claims_prefix(r)))
-        claims = [key for key in listed if _claim_round(key) == r]
+        claims = [key for key in listed if p.claim_round(key) == r]
         attempt = 0
         if claims:
             newest = claims[-1]
@@ -410,7 +394,14 @@ class RoundCloser:
             out = (params_out, taken[1])
         else:
             out = (params_out, {name: torch.empty_like(t) for name, t in params_out.items()})
-        params, new_momentum = self.algorithm.combine(base_params, momentum, contributions, out=out)
+        params, new_momentum = self.algorithm.combine(
+            base_params,
+            momentum,
+            contributions,
+            out=out,
+            buffer_names=self.layout.buffer_names(fragment),
+            closer=self.learner,
+        )
         (params_key, _), (momentum_key, _) = await asyncio.gather(
             retrying(partial(put_tensors, self.box, params)),
             retrying(partial(put_tensors, self.box, new_momentum)),
@@ -484,56 +475,9 @@ class RoundCloser:
             )
 
     async def sweep(self, commit: p.Commit) -> None:
-        """Delete what no recent commit needs: the snapshots, claims and payloads of round
-        ``r - keep_rounds * P``, and of older rounds of the same fragment whose own sweep
-        never ran (they still have claims), oldest first, ``_SWEEP_ROUNDS`` rounds at most
-        per call. Payload keys still named by a kept commit are spared (the same bytes can
-        recur under the same content-addressed key). Idempotent: a round swept twice, or by
-        two closers at once, loses nothing more."""
-        count = self.layout.count
-        old = commit.round - self.keep_rounds * count
-        if old < 0:
-            return
-        claims: dict[int, list[str]] = {}
-        for key in await retrying(partial(self.box.list, p.CLAIMS)):
-            x = _claim_round(key)
-            if x is not None and x <= old and (old - x) % count == 0:
-                claims.setdefault(x, []).append(key)
-        rounds = [*sorted(x for x in claims if x < old)[: _SWEEP_ROUNDS - 1], old]
-        doomed: set[str] = set()
-        for x in rounds:
-            snaps = await retrying(partial(self.box.list, p.snapshots_prefix(x)))
-            doomed.update(snaps)
-            records = await asyncio.gather(*(retrying(partial(self.box.get, key)) for key in snaps))
-            for key, data in zip(snaps, records, strict=True):
-                # A malformed record goes too; it names no payload that can be read.
-                with contextlib.suppress(ProtocolError):
-                    doomed.add(p.decode_snapshot(key, data).payload)
-            old_key = p.round_key(x)
-            old_record = await retrying(partial(self.box.get, old_key))
-            if old_record is not None:
-                try:
-                    old_commit = p.decode_commit(old_key, old_record)
-                except ProtocolError as exc:
-                    _log.warning("sweep: %s is unreadable; its payloads stay (%s)", old_key, exc)
-                else:
-                    doomed.add(old_commit.params)
-                    if old_commit.momentum:
-                        doomed.add(old_commit.momentum)
-        kept = {commit.params, commit.momentum}
-        base = self._records.get(commit.round - count)
-        if base is not None and base.round > old:  # with keep_rounds=1 the base itself goes
-            kept |= {base.params, base.momentum}
-        kept |= {c.payload for c in commit.contributors}
-        # Payloads stored in parts: their parts go with them, except a part that a kept
-        # payload names too (the same bytes under the same content-addressed key).
-        payloads = {k for k in doomed if k and k.startswith(p.BLOBS)}
-        doomed |= await retrying(partial(blob_keys, self.box, payloads))
-        spared = await retrying(partial(blob_keys, self.box, {k for k in kept if k}))
-        await retrying(partial(self.box.delete, sorted(k for k in doomed if k and k not in spared)))
-        # Claims last: a round that still has claims may still have other objects to sweep.
-        await retrying(
-            partial(self.box.delete, sorted(k for x in rounds for k in claims.get(x, [])))
-        )
+        """Delete what no recent commit needs (:func:`gradientmail.coord.sweep.sweep_after`),
+        then forget the records of the rounds swept."""
+        base = self._records.get(commit.round - self.layout.count)
+        old = await sweep_after(self.box, commit, self.layout.count, self.keep_rounds, base)
         for r in [r for r in self._records if r <= old]:
             del self._records[r]

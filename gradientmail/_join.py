@@ -36,6 +36,7 @@ model's parameters are initialised independently (or identically, e.g. from a ch
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
@@ -150,6 +151,11 @@ class _Joiner:
                     moved = await self.elect()
             if manifest is not None:
                 if await self.initial_commits_exist(manifest):
+                    if manifest.frozen_payload is not None:  # the run's, not this node's
+                        frozen = await self.call(
+                            partial(get_tensors, self.box, manifest.frozen_payload, manifest.frozen)
+                        )
+                        self.layout.load_frozen(frozen)
                     return manifest, manifest.creator == self.learner
                 moved = await self.finish(manifest)
             if moved:
@@ -230,8 +236,14 @@ class _Joiner:
                 self.holders[p.CREATOR] = self.learner
             if await self.holder(p.CREATOR) != self.learner:
                 return False
-        # The manifest before any payload: a claim that stands for long without one is dead.
-        await self.call(partial(self.box.put_if_absent, p.MANIFEST, p.encode(self.mine)))
+        # The frozen parameters' payload (if any; new blobs count as signs of life of a
+        # claim), then the manifest that names it.
+        mine = self.mine
+        frozen = self.layout.frozen_tensors()
+        if frozen:
+            key, _ = await self.call(partial(put_tensors, self.box, frozen))
+            mine = dataclasses.replace(mine, frozen_payload=key)
+        await self.call(partial(self.box.put_if_absent, p.MANIFEST, p.encode(mine)))
         return True
 
     # -- the initial commits -----------------------------------------------------------------
@@ -329,12 +341,14 @@ async def _align(model: torch.nn.Module, box: Mailbox, timeout: float) -> dict[i
     deadline = time.monotonic() + timeout
     manifest_bytes = await _wait_for(box, p.MANIFEST, deadline, "align")
     manifest = p.decode_manifest(p.MANIFEST, manifest_bytes)
-    algorithm = DiLoCo.from_settings(manifest.algorithm)
-    layout = ModelLayout(model, algorithm)
-    differences = manifest.differences(layout.manifest(manifest.creator, algorithm))
-    if differences:
-        raise ProtocolError("the model does not match the run: " + "; ".join(differences))
+    DiLoCo.from_settings(manifest.algorithm)  # settings this release understands
+    layout = ModelLayout.for_run(model, manifest)  # ProtocolError naming any difference
     rounds, tensors = await load_newest(box, layout, deadline)
+    if manifest.frozen_payload is not None:
+        frozen = await retrying(
+            partial(get_tensors, box, manifest.frozen_payload, manifest.frozen), deadline=deadline
+        )
+        layout.load_frozen(frozen)
     for fragment, values in tensors.items():
         layout.load(fragment, values)
     return rounds

@@ -55,6 +55,7 @@ __all__ = [
     "PART_BYTES",
     "Encoded",
     "blob_keys",
+    "can_send",
     "decode",
     "encode",
     "encode_payload",
@@ -87,6 +88,13 @@ _DTYPES: dict[torch.dtype, str] = {
     torch.bool: "BOOL",
 }
 _BY_NAME = {name: dtype for dtype, name in _DTYPES.items()}
+
+
+def can_send(dtype: torch.dtype) -> bool:
+    """Whether a payload can carry tensors of ``dtype``."""
+    return dtype in _DTYPES
+
+
 _MAX_HEADER = 100 * 1024 * 1024
 
 # The views decode() returns are over immutable bytes; nothing writes through them.

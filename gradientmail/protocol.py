@@ -121,6 +121,21 @@ def parse_creator_attempt(key: str) -> int:
     return int(tail)
 
 
+def claim_round(key: str) -> int | None:
+    """``claims/{round}/{attempt}`` -> round; None for any other key under ``claims/``."""
+    parts = key.split("/")
+    if (
+        len(parts) == 3
+        and parts[0] == CLAIMS.rstrip("/")
+        and len(parts[1]) == len(claims_prefix(0)) - len(CLAIMS) - 1
+        and parts[1].isdigit()
+        and parts[2].isdigit()
+        and key == claim_key(int(parts[1]), int(parts[2]))
+    ):
+        return int(parts[1])
+    return None
+
+
 def lease_prefix(learner: str) -> str:
     return f"{LEASES}{learner}/"
 

@@ -574,7 +574,7 @@ class Session:
             self._layout.load(fragment, item.params)
         elif contributed and pending is not None and self.mixing is not None:
             # Streaming DiLoCo's blend of the late commit with the local progress since.
-            self._mix(fragment, item.params, self.mixing)
+            self._layout.mix(fragment, item.params, self.mixing)
         else:
             # Keep the local progress the commit does not already hold: since the snapshot
             # if it was combined, else since the previous commit.
@@ -602,14 +602,6 @@ class Session:
                 lag_s=lag,
             )
         )
-
-    def _mix(self, fragment: int, new_global: dict[str, torch.Tensor], alpha: float) -> None:
-        """``param ← α·param + (1 − α)·commit`` over the fragment's tensors."""
-        with torch.no_grad():
-            for name in self._layout.fragments[fragment]:
-                param = self._layout.params[name]
-                value = new_global[name].to(device=param.device, dtype=param.dtype)
-                param.mul_(alpha).add_(value, alpha=1.0 - alpha)
 
     # -- background threads ------------------------------------------------------------------
 

@@ -23,8 +23,8 @@ import torch
 
 from gradientmail import protocol as p
 from gradientmail._parts import parse_index
-from gradientmail._retry import retrying
 from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.coord.retry import retrying
 from gradientmail.errors import ProtocolError
 from gradientmail.mailbox import Mailbox
 from gradientmail.payload import encode, encode_payload, get_tensors

@@ -11,6 +11,7 @@ import os
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -82,3 +83,45 @@ def mailbox(request: pytest.FixtureRequest, s3_buckets: list[S3Target]) -> Itera
 )
 def s3_target(request: pytest.FixtureRequest, s3_buckets: list[S3Target]) -> S3Target:
     return next(t for t in s3_buckets if t.name == request.param)
+
+
+# -- requires_cuda: run where a GPU exists, reported as NOT RUN elsewhere -------------------
+
+_NO_CUDA = "requires_cuda: no CUDA device on this machine, so this test was NOT RUN"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "requires_cuda: needs a CUDA device; where none exists the test is skipped with the "
+        "reason 'requires_cuda: ... NOT RUN' and counted in the summary (never silently)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    for item in items:
+        if item.get_closest_marker("requires_cuda") is not None:
+            item.add_marker(pytest.mark.skip(reason=_NO_CUDA))
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """One line saying how many GPU tests did not run (also into GitHub's job summary)."""
+    not_run = [
+        report.nodeid
+        for report in terminalreporter.stats.get("skipped", [])
+        if _NO_CUDA in str(getattr(report, "longrepr", ""))
+    ]
+    if not not_run:
+        return
+    line = f"{len(not_run)} test(s) marked requires_cuda NOT RUN (no CUDA device here)"
+    terminalreporter.write_sep("=", line, yellow=True)
+    for nodeid in not_run:
+        terminalreporter.write_line(f"NOT RUN (requires_cuda): {nodeid}")
+    summary = os.environ.get("GITHUB_STEP_SUMMARY")
+    if summary:
+        with open(summary, "a", encoding="utf-8") as out:
+            out.write(f"**{line}:**\n\n" + "".join(f"- `{n}`\n" for n in not_run) + "\n")

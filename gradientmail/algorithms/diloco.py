@@ -13,22 +13,33 @@ A round of fragment ``f`` combines the contributions it received:
     global'  = global − outer_lr · update
 
 With ``outer_lr=1, outer_momentum=0`` this is the sample-weighted average of the local
-parameters. ``combine`` is deterministic (contributions in learner-id order, float32
-accumulation, element-wise ops only), so any process can recompute a commit from its
-round record and the previous commit of its fragment and get the same bits.
+parameters.
+
+Floating-point buffers (BatchNorm's running statistics) travel with their fragment but are
+statistics, not weights: no pseudo-gradient, no outer step, no momentum (their momentum
+entry stays zero). With ``buffers="average"`` (the default) a round sets each to the
+contributions' plain sample-weighted average ``Σ samples_i · local_i / Σ samples_i``; with
+``buffers="closer"`` to the closing learner's own copy (the first contributor in learner-id
+order if the closer did not contribute).
+
+``combine`` is deterministic (contributions in learner-id order, float32 accumulation,
+element-wise ops only), so any process can recompute a commit from its round record and
+the previous commit of its fragment and get the same bits.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["DiLoCo"]
+__all__ = ["BUFFER_MODES", "DiLoCo"]
+
+BUFFER_MODES = ("average", "closer")
 
 
 @dataclass(frozen=True)
@@ -38,6 +49,9 @@ class DiLoCo:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     nesterov: bool = True
+    buffers: str = "average"
+    """How a round sets floating-point buffers: ``"average"`` (sample-weighted) or
+    ``"closer"`` (the closer's own copy)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.sync_every, int) or self.sync_every < 1:
@@ -53,14 +67,20 @@ class DiLoCo:
             raise ValueError(f"DiLoCo(outer_lr={self.outer_lr!r}) must be positive")
         if not 0 <= self.outer_momentum < 1:
             raise ValueError(f"DiLoCo(outer_momentum={self.outer_momentum!r}) must be in [0, 1)")
+        if self.buffers not in BUFFER_MODES:
+            raise ValueError(
+                f"DiLoCo(buffers={self.buffers!r}) must be one of "
+                + ", ".join(repr(mode) for mode in BUFFER_MODES)
+            )
 
     @property
     def name(self) -> str:
         return "diloco"
 
     def settings(self) -> dict[str, Any]:
-        """What the manifest records; every node must agree on all of it."""
-        return {
+        """What the manifest records; every node must agree on all of it. ``buffers`` only
+        when it is not the default, so runs created before it existed still match."""
+        settings: dict[str, Any] = {
             "name": self.name,
             "sync_every": self.sync_every,
             "fragments": self.fragments,
@@ -68,6 +88,9 @@ class DiLoCo:
             "outer_momentum": self.outer_momentum,
             "nesterov": self.nesterov,
         }
+        if self.buffers != "average":
+            settings["buffers"] = self.buffers
+        return settings
 
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any]) -> DiLoCo:
@@ -123,8 +146,16 @@ class DiLoCo:
         contributions: Sequence[tuple[str, int, Mapping[str, torch.Tensor]]],
         *,
         out: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None,
+        buffer_names: Collection[str] = (),
+        closer: str | None = None,
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """New global parameters and momentum from ``(learner, samples, local)`` triples.
+
+        ``buffer_names``: the names in ``base`` that are floating-point buffers (the layout's
+        kind ``buffer``): each becomes the plain sample-weighted average of the
+        contributions (``buffers="average"``) or the copy of ``closer`` (``"closer"``), and
+        its momentum entry zero; ``momentum`` may lack them. ``closer``: the learner that
+        closes the round (the record's ``closer``; only ``buffers="closer"`` reads it).
 
         Per tensor, one float32 accumulator holds the weighted average and then, in place,
         the new parameters; the new momentum is the other output. Nothing else of full size
@@ -142,9 +173,17 @@ class DiLoCo:
         if not contributions:
             raise ValueError("a round needs at least one contribution")
         ordered = sorted(contributions, key=lambda c: c[0])
+        buffers = frozenset(buffer_names)
+        unknown = sorted(buffers - base.keys())
+        if unknown:
+            raise ValueError(f"buffer_names {unknown[:3]} are not among the tensors combined")
         if out is not None:
             _check_out(base, momentum, [local for _, _, local in ordered], out)
         total = float(sum(samples for _, samples, _ in ordered))
+        # buffers="closer": the closer's own copy (else, deterministically, the first one).
+        copied = None
+        if self.buffers == "closer":
+            copied = next((c[2] for c in ordered if c[0] == closer), ordered[0][2])
         new_params: dict[str, torch.Tensor] = {}
         new_momentum: dict[str, torch.Tensor] = {}
         lr, mu = self.outer_lr, self.outer_momentum
@@ -154,10 +193,19 @@ class DiLoCo:
             # new parameters, and the momentum buffer is the other output. With ``out`` the
             # same operations run in the same order, into the given buffers.
             acc = torch.zeros_like(g) if out is None else out[0][name].zero_()
+            m_out = None if out is None else out[1][name]
+            if name in buffers:  # statistics: the average (or the closer's), no outer step
+                if copied is not None:
+                    acc.copy_(copied[name])
+                else:
+                    for _, samples, local in ordered:
+                        acc.add_(local[name].to(torch.float32), alpha=samples / total)
+                new_params[name] = acc.to(global_value.dtype)
+                new_momentum[name] = torch.zeros_like(g) if m_out is None else m_out.zero_()
+                continue
             for _, samples, local in ordered:
                 acc.add_(local[name].to(torch.float32), alpha=samples / total)
             # delta = g − avg;  m = μ·m_old + delta
-            m_out = None if out is None else out[1][name]
             if momentum is None:  # the first round: momentum starts at zero
                 m = torch.sub(g, acc) if m_out is None else torch.sub(g, acc, out=m_out)
             else:

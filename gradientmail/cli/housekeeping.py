@@ -37,6 +37,7 @@ from gradientmail.cli._common import (
     run_async,
     store_error,
 )
+from gradientmail.coord.sweep import named_payloads
 from gradientmail.errors import MailboxError, ProtocolError
 from gradientmail.mailbox import Mailbox
 from gradientmail.mailbox.s3 import S3Mailbox
@@ -115,14 +116,6 @@ class SweepPlan:
         return sorted({*self.snapshots, *self.claims, *self.payloads, *self.beats})
 
 
-def _claim_round(key: str) -> int | None:
-    parts = key.split("/")
-    if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
-        return None
-    r = int(parts[1])
-    return r if p.claim_key(r, int(parts[2])) == key else None
-
-
 async def plan_sweep(box: Mailbox, url: str, keep_rounds: int, orphans: bool) -> SweepPlan:
     """What to delete (reads only)."""
     manifest = await require_manifest(box, url)
@@ -150,20 +143,18 @@ async def plan_sweep(box: Mailbox, url: str, keep_rounds: int, orphans: bool) ->
         except ProtocolError:
             continue  # not ours: leave it
         snapshots[key] = old(r)
-    claim_rounds = {k: _claim_round(k) for k in claim_keys}
+    claim_rounds = {k: p.claim_round(k) for k in claim_keys}
     claims = [k for k, cr in claim_rounds.items() if cr is not None and old(cr)]
     records = await _read(box, [*round_keys, *snapshots])
-    kept: set[str] = set()
+    # The frozen parameters travel once, with the manifest: never old.
+    kept: set[str] = {manifest.frozen_payload} if manifest.frozen_payload else set()
     candidates: set[str] = set()
     for key in round_keys:
         data = records[key]
         if data is None:
             continue
         commit = p.decode_commit(key, data)
-        named = {commit.params, *(c.payload for c in commit.contributors)}
-        if commit.momentum:
-            named.add(commit.momentum)
-        (candidates if old(commit.round) else kept).update(named)
+        (candidates if old(commit.round) else kept).update(named_payloads(commit))
     for key, doomed in snapshots.items():
         data = records[key]
         if data is None:

@@ -1,0 +1,93 @@
+"""Sweeping a run's old rounds: idempotent, done by whoever commits.
+
+A commit of round ``r`` makes round ``r − keep_rounds·P`` (``P`` fragments) old: its
+snapshots, claims and payloads go, except payloads a kept commit still names (the same
+bytes recur under the same content-addressed key). A closer killed between its commit and
+its sweep leaves a round unswept; the next commit of the fragment finds it by its claims
+(claims are deleted last) and sweeps it too, a bounded number of rounds per call. Deletes
+are idempotent, so two closers sweeping the same round at once lose nothing more.
+``gradientmail sweep`` (``cli/housekeeping.py``) plans the same from a full listing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from functools import partial
+
+from gradientmail import protocol as p
+from gradientmail._parts import blob_keys
+from gradientmail.coord.retry import retrying
+from gradientmail.errors import ProtocolError
+from gradientmail.mailbox import Mailbox
+
+__all__ = ["SWEEP_ROUNDS", "named_payloads", "sweep_after"]
+
+_log = logging.getLogger("gradientmail")
+
+SWEEP_ROUNDS = 8  # rounds one sweep deletes, at most: the horizon's and leftovers before it
+
+
+def named_payloads(commit: p.Commit) -> set[str]:
+    """Every payload key a commit record names: parameters, state, contributions."""
+    named = {commit.params, *(c.payload for c in commit.contributors)}
+    if commit.momentum:
+        named.add(commit.momentum)
+    return named
+
+
+async def sweep_after(
+    box: Mailbox,
+    commit: p.Commit,
+    fragments: int,
+    keep_rounds: int,
+    base: p.Commit | None = None,
+) -> int:
+    """Sweep what ``commit`` makes old: round ``commit.round − keep_rounds·fragments`` and
+    older rounds of the same fragment whose own sweep never ran (they still have claims),
+    oldest first, :data:`SWEEP_ROUNDS` rounds at most. ``base``: the commit ``commit`` was
+    built on, when known (its payloads are spared while it is within the kept rounds).
+    Returns the horizon round (negative: nothing was old yet)."""
+    old = commit.round - keep_rounds * fragments
+    if old < 0:
+        return old
+    claims: dict[int, list[str]] = {}
+    for key in await retrying(partial(box.list, p.CLAIMS)):
+        x = p.claim_round(key)
+        if x is not None and x <= old and (old - x) % fragments == 0:
+            claims.setdefault(x, []).append(key)
+    rounds = [*sorted(x for x in claims if x < old)[: SWEEP_ROUNDS - 1], old]
+    doomed: set[str] = set()
+    for x in rounds:
+        snaps = await retrying(partial(box.list, p.snapshots_prefix(x)))
+        doomed.update(snaps)
+        records = await asyncio.gather(*(retrying(partial(box.get, key)) for key in snaps))
+        for key, data in zip(snaps, records, strict=True):
+            # A malformed record goes too; it names no payload that can be read.
+            with contextlib.suppress(ProtocolError):
+                doomed.add(p.decode_snapshot(key, data).payload)
+        old_key = p.round_key(x)
+        old_record = await retrying(partial(box.get, old_key))
+        if old_record is not None:
+            try:
+                old_commit = p.decode_commit(old_key, old_record)
+            except ProtocolError as exc:
+                _log.warning("sweep: %s is unreadable; its payloads stay (%s)", old_key, exc)
+            else:
+                doomed.add(old_commit.params)
+                if old_commit.momentum:
+                    doomed.add(old_commit.momentum)
+    kept = {commit.params, commit.momentum}
+    if base is not None and base.round > old:  # with keep_rounds=1 the base itself goes
+        kept |= {base.params, base.momentum}
+    kept |= {c.payload for c in commit.contributors}
+    # Payloads stored in parts: their parts go with them, except a part that a kept
+    # payload names too (the same bytes under the same content-addressed key).
+    payloads = {k for k in doomed if k and k.startswith(p.BLOBS)}
+    doomed |= await retrying(partial(blob_keys, box, payloads))
+    spared = await retrying(partial(blob_keys, box, {k for k in kept if k}))
+    await retrying(partial(box.delete, sorted(k for k in doomed if k and k not in spared)))
+    # Claims last: a round that still has claims may still have other objects to sweep.
+    await retrying(partial(box.delete, sorted(k for x in rounds for k in claims.get(x, []))))
+    return old
