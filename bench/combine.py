@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_leaves
 import gradientmail as gm
 from bench import _harness as h
 from bench._workload import build_model
-from gradientmail._buffers import BufferPool
+from gradientmail.payload.buffers import BufferPool
 
 NAME = "combine"
 

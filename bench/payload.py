@@ -48,8 +48,8 @@ import torch
 import gradientmail as gm
 from bench import _harness as h
 from bench._workload import build_model
-from gradientmail import payload
-from gradientmail._layout import ModelLayout
+from gradientmail.engine.layout import ModelLayout
+from gradientmail.payload import transfer as payload
 
 NAME = "payload"
 CHUNK = 16 * h.MIB

@@ -52,10 +52,10 @@ from typing import IO, Any
 import torch
 
 import gradientmail as gm
-from gradientmail import protocol as p
+from gradientmail import wire as p
+from gradientmail.engine.verify import verify_commit
 from gradientmail.events import Event, Joined, PollFailed, PublishFailed, RoundFailed
 from gradientmail.payload import encode
-from gradientmail.verify import verify_commit
 
 IN_FEATURES = 16
 HIDDEN = 32

@@ -41,10 +41,9 @@ from gradientmail.patterns.barrier import Barrier
 from gradientmail.patterns.shared_queue import SharedQueue, shared_queue
 
 if TYPE_CHECKING:
-    from gradientmail import verify
-    from gradientmail._join import align
     from gradientmail.algorithms import DiLoCo
-    from gradientmail.session import Session
+    from gradientmail.engine import verify
+    from gradientmail.session import Session, align
 
 __all__ = [
     "Barrier",
@@ -73,8 +72,8 @@ __all__ = [
 _TORCH_NAMES = {
     "Session": ("gradientmail.session", "Session"),
     "DiLoCo": ("gradientmail.algorithms", "DiLoCo"),
-    "align": ("gradientmail._join", "align"),
-    "verify": ("gradientmail.verify", None),
+    "align": ("gradientmail.session", "align"),
+    "verify": ("gradientmail.engine.verify", None),
 }
 
 

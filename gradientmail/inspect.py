@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 from gradientmail.coord.leases import LeaseTracker
 from gradientmail.errors import ProtocolError
 from gradientmail.mailbox import Mailbox
-from gradientmail.protocol import (
+from gradientmail.wire import (
     CREATOR,
     LEASES,
     MANIFEST,

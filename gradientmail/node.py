@@ -1,195 +1,29 @@
-"""The node environment: one contract between whoever starts nodes and the nodes.
-
-The Kubernetes operator and ``gradientmail run`` start node processes with these
-environment variables; a node reads them with :meth:`NodeEnv.from_environ`. Credentials
-never appear here: S3 nodes get the standard ``AWS_ACCESS_KEY_ID`` /
-``AWS_SECRET_ACCESS_KEY`` (from a Secret, by reference) and boto3 reads them itself.
-
-==============================  ==========================================================
-variable                        meaning
-==============================  ==========================================================
-``GRADIENTMAIL_MAILBOX``        mailbox URL (``s3://bucket/prefix?endpoint=…``, ``file://…``)
-``GRADIENTMAIL_LEARNER_ID``     this node's learner id (stable across restarts: it rejoins)
-``GRADIENTMAIL_NODE_INDEX``     0-based index of this node
-``GRADIENTMAIL_NODES``          how many nodes the run was started with
-``GRADIENTMAIL_BARRIERS``       ``name=parties`` pairs, comma-separated (``start=3,done=3``)
-``GRADIENTMAIL_SYNC_EVERY``     DiLoCo ``sync_every``
-``GRADIENTMAIL_FRAGMENTS``      DiLoCo ``fragments``
-``GRADIENTMAIL_OUTER_LR``       DiLoCo ``outer_lr``
-``GRADIENTMAIL_OUTER_MOMENTUM`` DiLoCo ``outer_momentum``
-``GRADIENTMAIL_QUORUM``         Session ``quorum_size``
-``GRADIENTMAIL_ROUND_TIMEOUT``  Session ``round_timeout`` (seconds)
-``GRADIENTMAIL_STEPS``          training steps of the built-in node
-==============================  ==========================================================
-
-A training script of your own reads the same environment in two lines::
-
-    env = gradientmail.node.NodeEnv.from_environ()
-    with env.session(model) as session:   # Session(model, algorithm=…, mailbox=…, …)
-        ...
-
-and ``env.barrier().wait("start", parties=env.parties("start"))`` lines nodes up.
+"""The node program, and the node environment for scripts of your own.
 
 ``python -m gradientmail.node`` is the built-in node: it joins the ``start`` barrier, trains
 a small model on synthetic regression data for ``GRADIENTMAIL_STEPS`` steps (printing the
 loss), leaves the session and waits at the ``done`` barrier.
+
+A training script of your own reads the environment the operator and ``gradientmail run``
+give every node (:mod:`gradientmail.launch.env` documents each variable)::
+
+    env = gradientmail.node.NodeEnv.from_environ()
+    with env.session(model) as session:   # Session(model, algorithm=…, mailbox=…, …)
+        ...
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from gradientmail.mailbox import Mailbox
-from gradientmail.mailbox.url import open_mailbox
-from gradientmail.patterns._keys import check_segment
-from gradientmail.patterns.barrier import Barrier
-from gradientmail.protocol import check_learner_id
+from gradientmail.launch.env import NodeEnv, NodeEnvError
 
 if TYPE_CHECKING:
     import torch
 
-    from gradientmail.session import Session
-
-__all__ = ["NodeEnv"]
-
-PREFIX = "GRADIENTMAIL_"
-
-
-class NodeEnvError(ValueError):
-    """An environment variable of the node contract is missing or malformed."""
-
-
-def _parse_barriers(text: str) -> dict[str, int]:
-    barriers: dict[str, int] = {}
-    for item in (part.strip() for part in text.split(",") if part.strip()):
-        name, sep, count = item.partition("=")
-        if not sep or not count.strip().isdigit() or int(count) < 1:
-            raise NodeEnvError(f"{PREFIX}BARRIERS: {item!r} is not name=parties with parties >= 1")
-        check_segment(name.strip(), "barrier name")
-        barriers[name.strip()] = int(count)
-    return barriers
-
-
-@dataclass(frozen=True)
-class NodeEnv:
-    mailbox: str
-    learner_id: str
-    node_index: int = 0
-    nodes: int = 1
-    barriers: Mapping[str, int] = field(default_factory=dict)
-    sync_every: int = 100
-    fragments: int = 1
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    quorum: int = 1
-    round_timeout: float = 10.0
-    steps: int = 200
-
-    def __post_init__(self) -> None:
-        check_learner_id(self.learner_id)
-        if self.nodes < 1 or not 0 <= self.node_index < self.nodes:
-            raise NodeEnvError(f"node index {self.node_index} is not within 0..{self.nodes - 1}")
-        for name, parties in self.barriers.items():
-            check_segment(name, "barrier name")
-            if parties < 1:
-                raise NodeEnvError(f"barrier {name!r} needs parties >= 1, not {parties}")
-
-    # -- the wire: environment variables -------------------------------------------------
-
-    def to_environ(self) -> dict[str, str]:
-        return {
-            f"{PREFIX}MAILBOX": self.mailbox,
-            f"{PREFIX}LEARNER_ID": self.learner_id,
-            f"{PREFIX}NODE_INDEX": str(self.node_index),
-            f"{PREFIX}NODES": str(self.nodes),
-            f"{PREFIX}BARRIERS": ",".join(f"{k}={v}" for k, v in self.barriers.items()),
-            f"{PREFIX}SYNC_EVERY": str(self.sync_every),
-            f"{PREFIX}FRAGMENTS": str(self.fragments),
-            f"{PREFIX}OUTER_LR": repr(self.outer_lr),
-            f"{PREFIX}OUTER_MOMENTUM": repr(self.outer_momentum),
-            f"{PREFIX}QUORUM": str(self.quorum),
-            f"{PREFIX}ROUND_TIMEOUT": repr(self.round_timeout),
-            f"{PREFIX}STEPS": str(self.steps),
-        }
-
-    @classmethod
-    def from_environ(cls, environ: Mapping[str, str] | None = None) -> NodeEnv:
-        env = os.environ if environ is None else environ
-
-        def raw(name: str, default: str | None = None) -> str:
-            value = env.get(PREFIX + name, default)
-            if value is None or value == "":
-                raise NodeEnvError(f"{PREFIX}{name} is not set; the node cannot start")
-            return value
-
-        def number(name: str, kind: type[Any], default: Any) -> Any:
-            text = raw(name, str(default))
-            try:
-                return kind(text)
-            except ValueError:
-                raise NodeEnvError(f"{PREFIX}{name}={text!r} is not a {kind.__name__}") from None
-
-        try:
-            return cls(
-                mailbox=raw("MAILBOX"),
-                learner_id=raw("LEARNER_ID"),
-                node_index=number("NODE_INDEX", int, 0),
-                nodes=number("NODES", int, 1),
-                barriers=_parse_barriers(env.get(PREFIX + "BARRIERS", "")),
-                sync_every=number("SYNC_EVERY", int, cls.sync_every),
-                fragments=number("FRAGMENTS", int, cls.fragments),
-                outer_lr=number("OUTER_LR", float, cls.outer_lr),
-                outer_momentum=number("OUTER_MOMENTUM", float, cls.outer_momentum),
-                quorum=number("QUORUM", int, cls.quorum),
-                round_timeout=number("ROUND_TIMEOUT", float, cls.round_timeout),
-                steps=number("STEPS", int, cls.steps),
-            )
-        except NodeEnvError:
-            raise
-        except ValueError as exc:
-            raise NodeEnvError(f"node environment: {exc}") from exc
-
-    # -- what a node builds from it ------------------------------------------------------
-
-    def open_mailbox(self) -> Mailbox:
-        return open_mailbox(self.mailbox)
-
-    def parties(self, barrier: str) -> int:
-        return self.barriers.get(barrier, self.nodes)
-
-    def barrier(self, mailbox: Mailbox | None = None, poll_interval: float = 1.0) -> Barrier:
-        return Barrier(
-            mailbox=mailbox or self.open_mailbox(),
-            learner_id=self.learner_id,
-            poll_interval=poll_interval,
-        )
-
-    def session(
-        self, model: torch.nn.Module, mailbox: Mailbox | None = None, **options: Any
-    ) -> Session:
-        from gradientmail.algorithms import DiLoCo
-        from gradientmail.session import Session
-
-        algorithm = DiLoCo(
-            sync_every=self.sync_every,
-            fragments=self.fragments,
-            outer_lr=self.outer_lr,
-            outer_momentum=self.outer_momentum,
-        )
-        options.setdefault("quorum_size", self.quorum)
-        options.setdefault("round_timeout", self.round_timeout)
-        return Session(
-            model,
-            algorithm=algorithm,
-            mailbox=mailbox or self.open_mailbox(),
-            learner_id=self.learner_id,
-            **options,
-        )
+__all__ = ["NodeEnv", "NodeEnvError", "main"]
 
 
 def _builtin_model() -> torch.nn.Module:

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 import pytest
 
 import gradientmail as gm
-from gradientmail import protocol as p
+from gradientmail import wire as p
 from gradientmail.patterns.barrier import Barrier, arrival_key
 from gradientmail.testing import FaultyMailbox
 from tests.support.waiting import TEST_TIMEOUT, wait_until

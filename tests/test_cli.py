@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 import gradientmail as gm
-from gradientmail import protocol as p
+from gradientmail import wire as p
 from gradientmail.cli.spec import load_spec
 from gradientmail.cli.tools import _ranges
 from tests.conftest import MAILBOXES
@@ -174,7 +174,7 @@ def test_sweep_and_verify_follow_payloads_stored_in_parts(
     """Payloads written in 128-byte parts (this process); the CLI (another process, its own
     part size) verifies them and sweeps with --orphans without touching a kept payload's
     parts, nor leaving a swept payload's behind."""
-    from gradientmail import payload
+    from gradientmail.payload import transfer as payload
 
     monkeypatch.setattr(payload, "PART_BYTES", 128)
     url = url_of(mailbox)

@@ -22,7 +22,7 @@ from pathlib import Path
 import yaml
 
 from gradientmail.cli._nodes import group_alive
-from gradientmail.runspec import GradientMailRunSpec, node_env
+from gradientmail.launch.runspec import GradientMailRunSpec, node_env
 from gradientmail_operator import render
 from tests.support.waiting import TEST_TIMEOUT, wait_until
 from tests.test_cli import cli

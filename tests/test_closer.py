@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import gradientmail as gm
-from gradientmail import protocol as p
-from gradientmail._closer import Outcome, RoundCloser
-from gradientmail._layout import ModelLayout
+from gradientmail import wire as p
 from gradientmail.coord.leases import LeaseTracker
+from gradientmail.engine.closer import Outcome, RoundCloser
+from gradientmail.engine.layout import ModelLayout
 from gradientmail.payload import get_tensors, put_tensors
 from gradientmail.testing import FaultyMailbox
 

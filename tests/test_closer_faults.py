@@ -13,16 +13,16 @@ import pytest
 import torch
 
 import gradientmail as gm
-from gradientmail import protocol as p
-from gradientmail._closer import Outcome, RoundCloser
-from gradientmail._layout import ModelLayout
+from gradientmail import wire as p
 from gradientmail.coord import retry as _retry
 from gradientmail.coord.leases import LeaseTracker
+from gradientmail.engine.closer import Outcome, RoundCloser
+from gradientmail.engine.layout import ModelLayout
+from gradientmail.engine.verify import verify_commit
 from gradientmail.errors import MailboxUnavailable, ProtocolError
 from gradientmail.events import Committed, Event
 from gradientmail.payload import encode, put_tensors
 from gradientmail.testing import FaultyMailbox
-from gradientmail.verify import verify_commit
 
 T = TypeVar("T")
 Tensors = dict[str, torch.Tensor]

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import gradientmail as gm
-from gradientmail import protocol as p
+from gradientmail import wire as p
 from gradientmail.errors import MailboxUnavailable
 from gradientmail.events import PollFailed, SyncSkipped, SyncWaited
 from gradientmail.testing import SlowMailbox
@@ -47,7 +47,7 @@ def _reference(
 ) -> list[torch.nn.Module]:
     """Exact DiLoCo in one process: every learner's copy, every sync point combined at once
     with the library's own combine, the tails contributed at the end as close() does."""
-    from gradientmail._layout import ModelLayout
+    from gradientmail.engine.layout import ModelLayout
 
     models = [copy.deepcopy(initial) for _ in names]
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 import gradientmail as gm
-from gradientmail import protocol as p
+from gradientmail import wire as p
 from gradientmail.inspect import STALLING_FRACTION, RunView, RunWatcher, SyncTotals, inspect_run
 from gradientmail.testing import FaultyMailbox
 

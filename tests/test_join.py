@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import gradientmail as gm
-from gradientmail import protocol as p
-from gradientmail._join import establish, load_newest
-from gradientmail._layout import ModelLayout
+from gradientmail import wire as p
+from gradientmail.engine.join import establish, load_newest
+from gradientmail.engine.layout import ModelLayout
 from gradientmail.payload import put_tensors
 from gradientmail.testing import FaultyMailbox
 from tests.training import make_model

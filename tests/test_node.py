@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import gradientmail as gm
-from gradientmail.node import NodeEnv, NodeEnvError
+from gradientmail.launch.env import NodeEnv, NodeEnvError
 from tests.training import commits
 
 

@@ -13,8 +13,8 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 import gradientmail as gm
-from gradientmail import payload
-from gradientmail.protocol import TensorSpec, blob_key, parts_key
+from gradientmail.payload import transfer as payload
+from gradientmail.wire import TensorSpec, blob_key, parts_key
 
 TENSORS = {
     "w": torch.randn(3, 5),
@@ -209,7 +209,7 @@ def test_parts_are_swept_with_their_payload_but_shared_parts_are_spared(
     """Training with payloads in parts: every blob left after sweeping is an index or a part
     an index names (no orphaned part), no part a kept payload shares with a swept one is gone
     (a frozen tensor's parts recur every round), the newest commits load and verify."""
-    from gradientmail.verify import verify_commit
+    from gradientmail.engine.verify import verify_commit
     from tests.test_session import ALGORITHM
     from tests.training import Learner, commits, make_model, run_learners
 

@@ -34,7 +34,7 @@ import torch
 from safetensors.torch import load_file
 
 import gradientmail as gm
-from gradientmail import protocol as p
+from gradientmail import wire as p
 from gradientmail.inspect import LearnerView, RunWatcher
 from gradientmail.payload import get_tensors
 from tests.s3env import S3Target, remove_prefix, s3_targets
@@ -232,7 +232,11 @@ def test_spec_setup_commits_verified_rounds_and_align_loads_the_newest(
     training = rounds.training()
     both = [r for r, who in training.items() if set(who) == {"node-0", "node-1"}]
     assert len(training) >= 30, training
-    assert len(both) > len(training) / 2, training
+    # node-1 trains 100 steps, node-0 400: while both train, every sync point of each
+    # contributes and waits for the round, so most rounds of that span hold both (after
+    # it, node-0 goes on alone, contributing at every sync point).
+    span = [r for r in training if min(both, default=0) <= r <= max(both, default=-1)]
+    assert len(both) > len(span) / 2, training
     for r, who in training.items():
         assert checked[r]["contributors"] == list(who)
         assert checked[r]["samples"] == committed[r].samples

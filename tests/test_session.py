@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import gradientmail as gm
-from gradientmail import protocol as p
+from gradientmail import wire as p
 from gradientmail.coord import retry as _retry
 from gradientmail.payload import get_tensors
 from gradientmail.testing import FaultyMailbox

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gradientmail import protocol as p
+from gradientmail import wire as p
 from tests.thirdparty.spec_file_mailbox import FileMailbox
 
 REPO = Path(__file__).resolve().parents[1]

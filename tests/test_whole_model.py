@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import gradientmail as gm
-from gradientmail import _layout
-from gradientmail import protocol as p
+from gradientmail import wire as p
+from gradientmail.engine import layout as _layout
 from gradientmail.payload import get_tensors, put_tensors
 from tests.training import Learner, commits, failures, run_learners, verify_all
 
@@ -347,7 +347,7 @@ def test_combine_takes_the_closers_buffers_when_configured() -> None:
 def test_verify_recomputes_a_commit_with_buffers(mode: str) -> None:
     """A commit whose buffers are averaged (or the closer's) verifies; one whose buffers
     were outer-stepped like parameters (what a closer without kinds computes) does not."""
-    from gradientmail.verify import verify_commit
+    from gradientmail.engine.verify import verify_commit
 
     algorithm = gm.DiLoCo(sync_every=6, fragments=1, outer_lr=0.7, outer_momentum=0.9, buffers=mode)
     model = bn_model()

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 import gradientmail as gm
-from gradientmail import protocol as p
+from gradientmail import wire as p
 
 
 def make_model(seed: int = 0, width: int = 16) -> torch.nn.Module:

@@ -37,11 +37,14 @@ from typing import Any
 
 import torch
 
+from gradientmail.algorithms.base import register
+
 __all__ = ["BUFFER_MODES", "DiLoCo"]
 
 BUFFER_MODES = ("average", "closer")
 
 
+@register
 @dataclass(frozen=True)
 class DiLoCo:
     sync_every: int = 100

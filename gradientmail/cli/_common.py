@@ -21,7 +21,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from gradientmail import protocol as p
+from gradientmail import wire as p
 from gradientmail.errors import MailboxConfigError, MailboxError, MailboxUnavailable, ProtocolError
 from gradientmail.mailbox import Mailbox
 from gradientmail.mailbox.url import open_mailbox

@@ -27,8 +27,8 @@ from typing import IO
 from gradientmail.cli.table import NodeRow, SampleRate
 from gradientmail.errors import MailboxError
 from gradientmail.inspect import RunView, RunWatcher
+from gradientmail.launch.env import NodeEnv
 from gradientmail.mailbox import Mailbox
-from gradientmail.node import NodeEnv
 
 __all__ = ["Interrupted", "Node", "Runner", "Watch", "group_alive"]
 

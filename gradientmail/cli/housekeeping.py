@@ -22,8 +22,7 @@ from typing import Any
 
 from rich.table import Table
 
-from gradientmail import protocol as p
-from gradientmail._parts import blob_keys as payload_blobs
+from gradientmail import wire as p
 from gradientmail.cli._common import (
     USAGE,
     CliError,
@@ -41,6 +40,7 @@ from gradientmail.coord.sweep import named_payloads
 from gradientmail.errors import MailboxError, ProtocolError
 from gradientmail.mailbox import Mailbox
 from gradientmail.mailbox.s3 import S3Mailbox
+from gradientmail.wire.parts import blob_keys as payload_blobs
 
 __all__ = ["SweepPlan", "add_parsers", "plan_sweep", "run_rm", "run_sweep"]
 

@@ -1,7 +1,7 @@
 """``gradientmail run``: a whole run as local processes, with the operator's environment.
 
 Each node is one process in its own process group, started with exactly the variables the
-operator puts into a pod (:func:`gradientmail.runspec.node_env`,
+operator puts into a pod (:func:`gradientmail.launch.runspec.node_env`,
 :meth:`NodeEnv.to_environ`), so a script that runs here runs on a cluster unchanged. The
 mailbox is a fresh ``file://`` directory in the run folder unless ``--mailbox`` names
 another (``--mailbox spec`` takes the spec file's, with a fresh prefix under it).
@@ -40,15 +40,15 @@ from rich.console import Console
 from rich.live import Live
 from rich.markup import escape
 
-from gradientmail import protocol as p
+from gradientmail import wire as p
 from gradientmail.cli._common import USAGE, CliError, err, mailbox_for, out, store_error
 from gradientmail.cli._nodes import Interrupted, Node, Runner, Watch
 from gradientmail.cli.spec import LOCAL_DEFAULTS, LoadedSpec, load_spec
 from gradientmail.cli.table import render_run
 from gradientmail.errors import MailboxError, ProtocolError
 from gradientmail.inspect import RunView
+from gradientmail.launch.runspec import mailbox_url, node_env
 from gradientmail.mailbox import Mailbox
-from gradientmail.runspec import mailbox_url, node_env
 
 __all__ = ["add_parser", "run_command"]
 

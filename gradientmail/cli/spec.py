@@ -18,7 +18,7 @@ import yaml
 from pydantic import ValidationError
 
 from gradientmail.cli._common import USAGE, CliError
-from gradientmail.runspec import GROUP, KIND, VERSION, GradientMailRunSpec
+from gradientmail.launch.runspec import GROUP, KIND, VERSION, GradientMailRunSpec
 
 __all__ = ["FLAG_FIELDS", "LOCAL_DEFAULTS", "LoadedSpec", "load_spec"]
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gradientmail import protocol as p
+from gradientmail import wire as p
 from gradientmail.cli._common import (
     USAGE,
     CliError,
@@ -181,7 +181,7 @@ def _ranges(numbers: Sequence[int]) -> str:
 async def _verify(
     box: Mailbox, manifest: p.Manifest, verbose: bool
 ) -> tuple[int, list[int], list[str]]:
-    from gradientmail.verify import verify_commit
+    from gradientmail.engine.verify import verify_commit
 
     fragments = manifest.num_fragments
     keys = list(await box.list(p.ROUNDS))

@@ -23,7 +23,7 @@ from functools import partial
 
 from gradientmail.coord.retry import Stopped, retrying
 from gradientmail.mailbox import Mailbox
-from gradientmail.protocol import LEAVING_BEAT
+from gradientmail.wire import LEAVING_BEAT
 
 __all__ = ["Heartbeat"]
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from gradientmail.errors import ProtocolError
-from gradientmail.protocol import LEAVING_BEAT, parse_beat_key
+from gradientmail.wire import LEAVING_BEAT, parse_beat_key
 
 __all__ = ["LearnerLease", "LeaseTracker"]
 

@@ -16,11 +16,11 @@ import contextlib
 import logging
 from functools import partial
 
-from gradientmail import protocol as p
-from gradientmail._parts import blob_keys
+from gradientmail import wire as p
 from gradientmail.coord.retry import retrying
 from gradientmail.errors import ProtocolError
 from gradientmail.mailbox import Mailbox
+from gradientmail.wire.parts import blob_keys
 
 __all__ = ["SWEEP_ROUNDS", "named_payloads", "sweep_after"]
 

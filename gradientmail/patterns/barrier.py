@@ -40,7 +40,7 @@ from gradientmail.coord.threads import run_coroutine
 from gradientmail.errors import MailboxUnavailable
 from gradientmail.mailbox import Mailbox
 from gradientmail.patterns._keys import check_count, check_seconds, check_segment, check_timeout
-from gradientmail.protocol import check_learner_id
+from gradientmail.wire import check_learner_id
 
 __all__ = ["BARRIERS", "Barrier", "arrival_key"]
 

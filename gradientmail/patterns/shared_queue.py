@@ -93,7 +93,7 @@ from gradientmail.coord.leases import LeaseTracker
 from gradientmail.errors import ProtocolError
 from gradientmail.mailbox import Mailbox
 from gradientmail.patterns._keys import check_count, check_seconds, check_segment
-from gradientmail.protocol import LEASES, check_learner_id
+from gradientmail.wire import LEASES, check_learner_id
 
 __all__ = [
     "DONE",

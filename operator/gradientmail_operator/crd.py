@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from gradientmail.runspec import (
+from gradientmail.launch.runspec import (
     GROUP,
     KIND,
     PLURAL,

@@ -25,7 +25,7 @@ from pydantic import ValidationError
 
 import gradientmail as gm
 from gradientmail.inspect import RunView, RunWatcher
-from gradientmail.runspec import GROUP, PLURAL, VERSION, GradientMailRunSpec
+from gradientmail.launch.runspec import GROUP, PLURAL, VERSION, GradientMailRunSpec
 from gradientmail_operator import render
 from gradientmail_operator.kube import Kube
 from gradientmail_operator.reconcile import Phase, Reason, plan

@@ -15,7 +15,7 @@ from typing import Any
 import kubernetes
 from kubernetes.client.exceptions import ApiException
 
-from gradientmail.runspec import GROUP, PLURAL
+from gradientmail.launch.runspec import GROUP, PLURAL
 from gradientmail_operator.reconcile import PodState
 from gradientmail_operator.render import LABEL_INDEX, LABEL_RUN
 

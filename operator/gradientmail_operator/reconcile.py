@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from gradientmail.runspec import GradientMailRunSpec
+from gradientmail.launch.runspec import GradientMailRunSpec
 
 
 class Phase(StrEnum):

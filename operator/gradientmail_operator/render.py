@@ -8,12 +8,12 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from gradientmail.runspec import GROUP, KIND, VERSION, GradientMailRunSpec
+from gradientmail.launch.runspec import GROUP, KIND, VERSION, GradientMailRunSpec
 
 # The derivations shared with ``gradientmail run`` live with the spec models.
-from gradientmail.runspec import learner_id as learner_id
-from gradientmail.runspec import mailbox_url as mailbox_url
-from gradientmail.runspec import node_env as node_env
+from gradientmail.launch.runspec import learner_id as learner_id
+from gradientmail.launch.runspec import mailbox_url as mailbox_url
+from gradientmail.launch.runspec import node_env as node_env
 
 LABEL_RUN = f"{GROUP}/run"
 LABEL_INDEX = f"{GROUP}/node-index"

@@ -287,7 +287,7 @@ def test_chart_metadata() -> None:
     assert chart["apiVersion"] == "v2"
     assert re.fullmatch(r"\d+\.\d+\.\d+", chart["version"])
     # The node image the chart defaults to is the one the spec models default to.
-    from gradientmail.runspec import DEFAULT_IMAGE
+    from gradientmail.launch.runspec import DEFAULT_IMAGE
 
     assert f"ghcr.io/gradientmail/node:{chart['appVersion']}" == DEFAULT_IMAGE
 

@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 import yaml
 
-from gradientmail.runspec import GradientMailRunSpec
+from gradientmail.launch.runspec import GradientMailRunSpec
 from tests.charts import manifests, validate
 from tests.charts.helm import CHART, NAMESPACE, ROOT, template
 

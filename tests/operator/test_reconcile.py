@@ -8,8 +8,8 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from gradientmail.node import NodeEnv
-from gradientmail.runspec import GradientMailRunSpec
+from gradientmail.launch.env import NodeEnv
+from gradientmail.launch.runspec import GradientMailRunSpec
 from gradientmail_operator import crd, render
 from gradientmail_operator.reconcile import Phase, PodState, Reason, plan
 

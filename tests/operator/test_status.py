@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import gradientmail as gm
-from gradientmail import protocol as p
+from gradientmail import wire as p
 from gradientmail.inspect import RunView, RunWatcher
 from gradientmail_operator.reconcile import Reason
 from gradientmail_operator.status import sync_condition, sync_warnings, view_status

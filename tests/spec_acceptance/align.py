@@ -15,7 +15,7 @@ import sys
 import torch
 
 import gradientmail as gm
-from gradientmail import protocol as p
+from gradientmail import wire as p
 from gradientmail.payload import encode
 from tests.spec_acceptance.common import build_model, loss_on
 from tests.thirdparty.spec_file_mailbox import FileMailbox

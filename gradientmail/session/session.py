@@ -25,34 +25,24 @@ behaviour for who wants it: a sync point whose fragment is still in flight is sk
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-import os
-import re
-import socket
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from functools import partial
+from dataclasses import replace
 from types import TracebackType
 
 import torch
 
-from gradientmail import protocol as p
-from gradientmail._buffers import BufferPool
-from gradientmail._closer import RoundCloser
-from gradientmail._join import establish, load_newest
-from gradientmail._layout import ModelLayout
-from gradientmail._metered import Metered
-from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail import wire as p
+from gradientmail.algorithms.base import Algorithm
 from gradientmail.coord.heartbeat import Heartbeat
 from gradientmail.coord.leases import LeaseTracker
-from gradientmail.coord.retry import Stopped, retrying
 from gradientmail.coord.threads import Wake, run_coroutine
-from gradientmail.errors import ProtocolError
+from gradientmail.engine.closer import RoundCloser
+from gradientmail.engine.join import establish, load_newest
+from gradientmail.engine.layout import ModelLayout
 from gradientmail.events import (
     Applied,
     Counters,
@@ -60,72 +50,23 @@ from gradientmail.events import (
     Joined,
     Left,
     PollFailed,
-    Published,
-    PublishFailed,
-    RoundFailed,
     SyncSkipped,
     SyncWaited,
 )
 from gradientmail.mailbox import Mailbox
-from gradientmail.payload import get_tensors, put_tensors
+from gradientmail.mailbox.metered import Metered
+from gradientmail.payload.buffers import BufferPool
+from gradientmail.session._background import _Background
+from gradientmail.session._state import _default_learner_id, _Pending, _Staged
 
 __all__ = ["Session"]
 
 _log = logging.getLogger("gradientmail")
 
-_TICK = 0.02  # how often the communication thread looks for work handed over by step()
-_FIRST_POLL = 0.025  # the syncer's first look for a commit after this learner published
-# While a commit is awaited, the syncer looks again after this fraction of the time waited so
-# far (at least _FIRST_POLL, at most poll_interval): a commit that lands t seconds after the
-# publish is seen at most t/8 late, for about 8 lists per doubling of the wait. Doubling
-# intervals, as before, saw a commit that landed just after the 375 ms look only at 775 ms.
-_POLL_FRACTION = 0.125
-
-
-def _poll_delay(waited: float, poll_interval: float) -> float:
-    """Seconds until the syncer's next look for a commit it waits for, ``waited`` seconds
-    after this learner published."""
-    return min(poll_interval, max(_FIRST_POLL, waited * _POLL_FRACTION))
-
-
-def _default_learner_id() -> str:
-    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()) or "host"
-    return p.check_learner_id(f"{host[:100]}-{os.getpid()}")
-
-
-@dataclass(eq=False)
-class _Pending:
-    """A contribution from the training thread: fragment copy, samples, round."""
-
-    round: int
-    fragment: int
-    base: int
-    snapshot: dict[str, torch.Tensor]
-    base_params: dict[str, torch.Tensor]
-    samples: int
-    step: int  # the local step at which it was handed over
-    payload: str | None = None
-    published_at: float | None = None
-    cancelled: bool = False
-
-
-@dataclass(frozen=True)
-class _Staged:
-    commit: p.Commit
-    params: dict[str, torch.Tensor]
-    mine: frozenset[tuple[int, str]] = field(default_factory=frozenset)  # (round, payload)
-
-    def merged(self, older: _Staged) -> _Staged:
-        """This (newer) commit of a fragment, remembering which of ``older``'s rounds held
-        this learner's contributions: applying the newest alone is enough, its parameters
-        are complete, but the anchor of the rebase depends on whether we contributed."""
-        return replace(self, mine=self.mine | older.mine)
-
-
 _NEVER = 1 << 62  # a step number no run reaches: "no wait due"
 
 
-class Session:
+class Session(_Background):
     """Join a run as ``learner_id`` and train ``model`` in it.
 
     ``overlap``: how many local steps a contribution's commit may be applied late (0: exact
@@ -149,7 +90,7 @@ class Session:
         self,
         model: torch.nn.Module,
         *,
-        algorithm: DiLoCo,
+        algorithm: Algorithm,
         mailbox: Mailbox,
         learner_id: str | None = None,
         overlap: int = 0,
@@ -168,8 +109,11 @@ class Session:
         on_event: Callable[[Event], None] | None = None,
     ) -> None:
         # Everything is validated before anything is written.
-        if not isinstance(algorithm, DiLoCo):
-            raise TypeError(f"algorithm must be a gm.DiLoCo, not {type(algorithm).__name__}")
+        if not isinstance(algorithm, Algorithm):
+            raise TypeError(
+                "algorithm must be a gm.Algorithm such as gm.DiLoCo, not "
+                f"{type(algorithm).__name__}"
+            )
         if not isinstance(mailbox, Mailbox):
             raise TypeError(f"mailbox must implement gm.Mailbox, not {type(mailbox).__name__}")
         self.learner_id = (
@@ -605,33 +549,6 @@ class Session:
 
     # -- background threads ------------------------------------------------------------------
 
-    def _thread_main(self, loop: Callable[[], object]) -> None:
-        async def main() -> None:
-            await loop()  # type: ignore[misc]
-
-        asyncio.run(main())
-
-    async def _pause(self, seconds: float, wake: Wake | None = None) -> bool:
-        """Sleep ``seconds``, or less when stopped or woken; True when ``wake`` ended it."""
-        end = time.monotonic() + seconds
-        while not self._stop.is_set() and (left := end - time.monotonic()) > 0:
-            if wake is not None:
-                if wake.consume():
-                    return True
-                await wake.wait(min(left, 0.05))
-            else:
-                await asyncio.sleep(min(left, 0.05))
-        return wake is not None and wake.consume()
-
-    def _emit(self, event: Event) -> None:
-        with self._lock:
-            self.events.append(event)
-        self._changed.set()
-        _log_event(event)
-        if self._on_event is not None:
-            with contextlib.suppress(Exception):  # a broken callback must not stop the session
-                self._on_event(event)
-
     def _beat_record(self, leaving: bool) -> bytes:
         """A beat carries this learner's counters (``gradientmail status`` shows them)."""
         with self._lock:
@@ -656,252 +573,3 @@ class Session:
             run_coroutine(self._heartbeat.leave(deadline=time.monotonic() + 30))
         except Exception as exc:  # the lease will lapse on its own
             self._emit(PollFailed(self.learner_id, error=f"leaving beat: {exc!r}"))
-
-    async def _communicate(self) -> None:
-        # Beats run as a task of their own: a long publish or close on this loop would
-        # otherwise make a healthy learner look dead, and others would repeat its close.
-        beats = asyncio.create_task(
-            self._heartbeat.run(
-                self._stop,
-                lambda exc: self._emit(PollFailed(self.learner_id, error=f"beat: {exc!r}")),
-            )
-        )
-        try:
-            await self._communicate_loop()
-        finally:
-            beats.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Stopped):
-                await beats
-
-    async def _communicate_loop(self) -> None:
-        next_check = 0.0
-        while not self._stop.is_set():
-            try:
-                while True:
-                    with self._lock:
-                        pending = self._outbox.popleft() if self._outbox else None
-                    if pending is None:
-                        break
-                    await self._publish(pending)
-                    self._wake_sync.set()  # from now on the syncer polls at the fast rate
-                    next_check = 0.0  # a new snapshot may complete a round: look now
-                with self._lock:
-                    open_rounds = [x for x in self._inflight.values() if x.payload is not None]
-                if open_rounds and time.monotonic() >= next_check:
-                    next_check = time.monotonic() + self.poll_interval
-                    leases = await retrying(partial(self._box.list, p.LEASES), stop=self._stop)
-                    self._tracker.observe(leases)
-                    for pending in open_rounds:
-                        await self._close(pending)
-            except Stopped:
-                return
-            except Exception as exc:
-                self._emit(PollFailed(self.learner_id, error=f"communication: {exc!r}"))
-            await self._pause(_TICK, wake=self._wake_comm)
-
-    async def _publish(self, pending: _Pending) -> None:
-        if pending.cancelled:
-            return
-        try:
-            key, nbytes = await retrying(
-                partial(put_tensors, self._box, pending.snapshot), stop=self._stop
-            )
-            record = p.Snapshot(pending.round, self.learner_id, pending.samples, key, pending.base)
-            await retrying(
-                partial(
-                    self._box.put_if_absent,
-                    p.snapshot_key(pending.round, self.learner_id),
-                    p.encode(record),
-                ),
-                stop=self._stop,
-            )
-        except Stopped:
-            raise
-        except Exception as exc:
-            self._emit(PublishFailed(self.learner_id, round=pending.round, error=repr(exc)))
-            with self._lock:
-                if self._inflight.get(pending.fragment) is pending:
-                    del self._inflight[pending.fragment]
-            return
-        with self._lock:
-            pending.payload = key
-            pending.published_at = time.monotonic()
-            self._counters.published += 1
-        self._emit(
-            Published(
-                self.learner_id,
-                round=pending.round,
-                fragment=pending.fragment,
-                samples=pending.samples,
-                nbytes=nbytes,
-            )
-        )
-
-    async def _close(self, pending: _Pending) -> None:
-        with self._lock:
-            if pending.cancelled or pending.round <= self._known[pending.fragment]:
-                return
-        assert pending.payload is not None
-        failure: Exception | None = None
-        outcome = None
-        try:
-            outcome = await self._closer.try_close(
-                pending.round, pending.payload, pending.snapshot, pending.base_params
-            )
-        except Stopped:
-            raise
-        except Exception as exc:
-            failure = exc
-        if outcome is not None:
-            with self._lock:
-                self._counters.closed += 1
-            if outcome.params is not None:
-                # Staged here, before the sweep, the events and without a download: the
-                # training thread (perhaps waiting at the sync point) applies it at once.
-                # Staging marks the round known: neither the next tick nor the syncer
-                # closes or fetches it again.
-                self._stage(outcome.commit, outcome.params)
-            self._wake_sync.set()  # the record is written: the syncer looks now
-        events, self._closer_events[:] = list(self._closer_events), []
-        for event in events:
-            self._emit(event)
-        if failure is not None:
-            self._emit(RoundFailed(self.learner_id, round=pending.round, error=repr(failure)))
-        if outcome is None:
-            return
-        if outcome.params is not None:
-            try:
-                await self._closer.sweep(outcome.commit)
-            except Stopped:
-                raise
-            except Exception as exc:  # sweeping is housekeeping; the round is committed
-                self._emit(
-                    RoundFailed(self.learner_id, round=pending.round, error=f"sweep: {exc!r}")
-                )
-
-    def _stage(self, commit: p.Commit, params: dict[str, torch.Tensor]) -> bool:
-        """Hand a verified commit to the training thread; False when it is not newer than
-        what is already known for its fragment."""
-        fragment = commit.fragment
-        mine = frozenset(
-            (commit.round, x.payload) for x in commit.contributors if x.learner == self.learner_id
-        )
-        item = _Staged(commit, params, mine)
-        with self._lock:
-            if commit.round <= self._known[fragment]:
-                return False
-            older = self._staged.get(fragment)
-            self._staged[fragment] = item if older is None else item.merged(older)
-            self._known[fragment] = commit.round
-        self._changed.set()
-        return True
-
-    async def _sync(self) -> None:
-        since = time.monotonic()  # when this learner last published (woke the syncer)
-        while not self._stop.is_set():
-            try:
-                await self._poll_rounds()
-            except Stopped:
-                return
-            except Exception as exc:
-                self._emit(PollFailed(self.learner_id, error=f"rounds: {exc!r}"))
-            # Adaptive polling: fast while this learner waits for a commit of its own, slow
-            # when idle (a commit it did not contribute to can wait a few seconds).
-            with self._lock:
-                waiting = bool(self._inflight)
-            # While waiting, start fast after a publish (the commit may land within tens of
-            # milliseconds) and back off in proportion to the wait, up to poll_interval;
-            # idle, poll at idle_poll_interval.
-            if waiting:
-                interval = _poll_delay(time.monotonic() - since, self.poll_interval)
-            else:
-                interval = self.idle_poll_interval
-            if await self._pause(interval, wake=self._wake_sync):
-                since = time.monotonic()
-
-    async def _poll_rounds(self) -> None:
-        # Rounds of different fragments can commit out of order; listing after the oldest
-        # per-fragment cursor never skips one.
-        with self._lock:
-            cursor = p.round_key(min(self._known))
-        keys = await retrying(partial(self._box.list, p.ROUNDS, after=cursor), stop=self._stop)
-        fresh: dict[int, list[p.Commit]] = {}
-        for key in keys:
-            if key in self._bad:
-                continue
-            r = p.parse_round_key(key)
-            fragment = r % self._fragments
-            with self._lock:
-                if r <= self._known[fragment]:
-                    continue
-            # Record by record: one unreadable record is reported once and skipped; it
-            # must not stop this poll (or every later one) for every fragment.
-            try:
-                data = await retrying(partial(self._box.get, key), stop=self._stop)
-                commit = p.decode_commit(key, data)
-                if commit.fragment != fragment:
-                    raise ProtocolError(f"{key}: fragment {commit.fragment}, expected {fragment}")
-            except ProtocolError as exc:
-                self._bad.add(key)
-                self._emit(PollFailed(self.learner_id, error=f"skipping round record: {exc}"))
-                continue
-            fresh.setdefault(fragment, []).append(commit)
-        for fragment, commits in fresh.items():
-            # Fragment by fragment: a failed download of one holds no other back.
-            try:
-                await self._fetch(fragment, commits)
-            except Stopped:
-                raise
-            except Exception as exc:
-                self._emit(
-                    PollFailed(
-                        self.learner_id,
-                        error=f"round {commits[-1].round} (fragment {fragment}): {exc!r}",
-                    )
-                )
-
-    async def _fetch(self, fragment: int, commits: list[p.Commit]) -> None:
-        """Download the newest of ``commits`` (one fragment's, oldest first) and stage it,
-        remembering which of them held this learner's contributions."""
-        newest = commits[-1]
-        params = await retrying(
-            partial(get_tensors, self._box, newest.params, self._layout.specs[fragment]),
-            stop=self._stop,
-        )
-        mine = frozenset(
-            (c.round, x.payload)
-            for c in commits
-            for x in c.contributors
-            if x.learner == self.learner_id
-        )
-        item = _Staged(newest, params, mine)
-        with self._lock:
-            if newest.round <= self._known[fragment]:
-                return  # staged meanwhile by this learner's own close
-            older = self._staged.get(fragment)
-            self._staged[fragment] = item if older is None else item.merged(older)
-            self._known[fragment] = newest.round
-        for c in commits:
-            self._closer.forget(c.round)
-        self._changed.set()
-
-
-def _log_event(event: Event) -> None:
-    """Every event to the ``gradientmail`` logger: failures at WARNING (with the cause),
-    joins, leaves and waits that gave up at INFO, the rest at DEBUG."""
-    if isinstance(event, PollFailed | PublishFailed | RoundFailed):
-        _log.warning("%s: %s", event.learner, event)
-    elif isinstance(event, SyncWaited) and event.timed_out:
-        _log.warning(
-            "%s: waited %.1f s for round %d (fragment %d) and gave up; training goes on",
-            event.learner,
-            event.seconds,
-            event.round,
-            event.fragment,
-        )
-    elif isinstance(event, Joined | Left):
-        _log.info("%s: %s", event.learner, event)
-    elif isinstance(event, SyncSkipped):
-        _log.info("%s: skipped a sync point: %s", event.learner, event)
-    else:  # Published, Committed, Applied, SyncWaited within its bound
-        _log.debug("%s: %s", event.learner, event)

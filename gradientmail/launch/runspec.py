@@ -18,7 +18,7 @@ from urllib.parse import urlencode, urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from gradientmail.node import NodeEnv
+from gradientmail.launch.env import NodeEnv
 
 GROUP = "gradientmail.dev"
 VERSION = "v1alpha1"

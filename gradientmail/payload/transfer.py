@@ -38,7 +38,10 @@ from typing import Any
 
 import torch
 
-from gradientmail._parts import (
+from gradientmail.errors import PayloadCorrupt, ProtocolError
+from gradientmail.mailbox import Mailbox
+from gradientmail.wire import TensorSpec, blob_key, is_parts_key, parts_key
+from gradientmail.wire.parts import (
     MAX_PARTS,
     PARTS_FORMAT,
     IndexWire,
@@ -47,9 +50,6 @@ from gradientmail._parts import (
     parse_index,
     verify_blob,
 )
-from gradientmail.errors import PayloadCorrupt, ProtocolError
-from gradientmail.mailbox import Mailbox
-from gradientmail.protocol import TensorSpec, blob_key, is_parts_key, parts_key
 
 __all__ = [
     "PART_BYTES",

@@ -21,14 +21,14 @@ from functools import partial
 
 import torch
 
-from gradientmail import protocol as p
-from gradientmail._parts import parse_index
-from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail import wire as p
+from gradientmail.algorithms.base import from_manifest
 from gradientmail.coord.retry import retrying
 from gradientmail.errors import ProtocolError
 from gradientmail.mailbox import Mailbox
 from gradientmail.payload import encode, encode_payload, get_tensors
-from gradientmail.protocol import is_parts_key
+from gradientmail.wire import is_parts_key
+from gradientmail.wire.parts import parse_index
 
 __all__ = ["Verified", "verify_commit"]
 
@@ -63,7 +63,7 @@ async def verify_commit(box: Mailbox, r: int, manifest: p.Manifest | None = None
     if manifest is None:
         manifest = p.decode_manifest(p.MANIFEST, await _record(box, p.MANIFEST))
     fragments = manifest.num_fragments
-    algorithm = DiLoCo.from_settings(manifest.algorithm)
+    algorithm = from_manifest(manifest.algorithm)
     key = p.round_key(r)
     commit = p.decode_commit(key, await _record(box, key))
     fragment = r % fragments

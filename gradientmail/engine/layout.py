@@ -41,11 +41,11 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from gradientmail._buffers import BufferPool
-from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.algorithms.base import Algorithm
 from gradientmail.errors import ProtocolError
 from gradientmail.payload import can_send
-from gradientmail.protocol import BUFFER, FROZEN, PARAM, Manifest, TensorSpec
+from gradientmail.payload.buffers import BufferPool
+from gradientmail.wire import BUFFER, FROZEN, PARAM, Manifest, TensorSpec
 
 __all__ = ["ModelLayout", "Transfer"]
 
@@ -89,7 +89,7 @@ class ModelLayout:
     and the copies between the model and host tensors."""
 
     def __init__(
-        self, model: torch.nn.Module, algorithm: DiLoCo, *, transfer: Transfer | None = None
+        self, model: torch.nn.Module, algorithm: Algorithm, *, transfer: Transfer | None = None
     ) -> None:
         tensors = _Tensors(model)
         if not tensors.params:
@@ -191,7 +191,7 @@ class ModelLayout:
         return self.frozen[name]
 
     def manifest(
-        self, creator: str, algorithm: DiLoCo, frozen_payload: str | None = None
+        self, creator: str, algorithm: Algorithm, frozen_payload: str | None = None
     ) -> Manifest:
         """The run's manifest as this node would write it; ``frozen_payload``: the key of
         :meth:`frozen_tensors` stored (the creator stores it before the manifest)."""

@@ -43,19 +43,19 @@ from functools import partial
 
 import torch
 
-from gradientmail import protocol as p
-from gradientmail._buffers import BufferPool
-from gradientmail._layout import ModelLayout
-from gradientmail._parts import blob_keys
-from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail import wire as p
+from gradientmail.algorithms.base import Algorithm
 from gradientmail.coord.election import abandoned, claim
 from gradientmail.coord.leases import LeaseTracker
 from gradientmail.coord.retry import retrying
 from gradientmail.coord.sweep import sweep_after
+from gradientmail.engine.layout import ModelLayout
 from gradientmail.errors import ProtocolError
 from gradientmail.events import Committed, Event
 from gradientmail.mailbox import Mailbox
 from gradientmail.payload import get_tensors, put_tensors
+from gradientmail.payload.buffers import BufferPool
+from gradientmail.wire.parts import blob_keys
 
 __all__ = ["GIVE_UP_AFTER", "Outcome", "RoundCloser"]
 
@@ -104,7 +104,7 @@ class RoundCloser:
         self,
         box: Mailbox,
         layout: ModelLayout,
-        algorithm: DiLoCo,
+        algorithm: Algorithm,
         learner: str,
         tracker: LeaseTracker,
         *,

@@ -44,17 +44,17 @@ from typing import TypeVar
 
 import torch
 
-from gradientmail import protocol as p
-from gradientmail._layout import ModelLayout
-from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail import wire as p
+from gradientmail.algorithms.base import Algorithm
 from gradientmail.coord.election import abandoned
 from gradientmail.coord.leases import LeaseTracker
 from gradientmail.coord.retry import retrying
+from gradientmail.engine.layout import ModelLayout
 from gradientmail.errors import ProtocolError
 from gradientmail.mailbox import Mailbox
 from gradientmail.payload import get_tensors, put_tensors
 
-__all__ = ["LEASE_TIMEOUT", "align", "establish", "load_newest", "newest_per_fragment"]
+__all__ = ["LEASE_TIMEOUT", "establish", "load_newest", "newest_per_fragment"]
 
 T = TypeVar("T")
 
@@ -110,7 +110,7 @@ class _Joiner:
         self,
         box: Mailbox,
         layout: ModelLayout,
-        algorithm: DiLoCo,
+        algorithm: Algorithm,
         learner: str,
         timeout: float,
         lease_timeout: float,
@@ -289,7 +289,7 @@ class _Joiner:
 async def establish(
     box: Mailbox,
     layout: ModelLayout,
-    algorithm: DiLoCo,
+    algorithm: Algorithm,
     learner: str,
     timeout: float,
     *,
@@ -335,31 +335,3 @@ async def load_newest(
             partial(get_tensors, box, commit.params, layout.specs[fragment]), deadline=deadline
         )
     return newest, tensors
-
-
-async def _align(model: torch.nn.Module, box: Mailbox, timeout: float) -> dict[int, int]:
-    deadline = time.monotonic() + timeout
-    manifest_bytes = await _wait_for(box, p.MANIFEST, deadline, "align")
-    manifest = p.decode_manifest(p.MANIFEST, manifest_bytes)
-    DiLoCo.from_settings(manifest.algorithm)  # settings this release understands
-    layout = ModelLayout.for_run(model, manifest)  # ProtocolError naming any difference
-    rounds, tensors = await load_newest(box, layout, deadline)
-    if manifest.frozen_payload is not None:
-        frozen = await retrying(
-            partial(get_tensors, box, manifest.frozen_payload, manifest.frozen), deadline=deadline
-        )
-        layout.load_frozen(frozen)
-    for fragment, values in tensors.items():
-        layout.load(fragment, values)
-    return rounds
-
-
-def align(model: torch.nn.Module, *, mailbox: Mailbox, timeout: float = 60.0) -> dict[int, int]:
-    """Load the run's newest committed parameters into ``model`` without joining.
-
-    Returns ``{fragment: round}`` of the commits loaded. For evaluation, or to start a new
-    process from the run's current state.
-    """
-    from gradientmail.coord.threads import run_coroutine
-
-    return run_coroutine(_align(model, mailbox, timeout))

@@ -14,7 +14,7 @@ from typing import TypedDict
 
 from gradientmail.errors import PayloadCorrupt, ProtocolError
 from gradientmail.mailbox import Mailbox
-from gradientmail.protocol import blob_sha, is_parts_key
+from gradientmail.wire.keys import blob_sha, is_parts_key
 
 PARTS_FORMAT = "gradientmail.parts/1"
 MAX_PARTS = 1 << 16

@@ -1,0 +1,11 @@
+"""The round engine (torch): a model as fragments, joining, closing rounds, verifying.
+
+- ``layout.py``: :class:`ModelLayout`, which tensors each fragment holds (parameters,
+  floating-point buffers; frozen parameters apart) and the copies in and out of the model
+  across devices.
+- ``join.py``: creating or joining a run: creator election with failover, the manifest,
+  the initial commits (finished by any joiner when the creator died), loading the newest.
+- ``closer.py``: closing a round: the close condition, claim-with-failover, excluding
+  contributions that cannot be loaded, combine, commit, sweep.
+- ``verify.py``: recomputing a commit from its record and the previous commit.
+"""

@@ -1,0 +1,45 @@
+"""``align``: the run's newest committed parameters into a model, without joining."""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+
+import torch
+
+from gradientmail import wire as p
+from gradientmail.algorithms.base import from_manifest
+from gradientmail.coord.retry import retrying
+from gradientmail.coord.threads import run_coroutine
+from gradientmail.engine.join import _wait_for, load_newest
+from gradientmail.engine.layout import ModelLayout
+from gradientmail.mailbox import Mailbox
+from gradientmail.payload import get_tensors
+
+__all__ = ["align"]
+
+
+async def _align(model: torch.nn.Module, box: Mailbox, timeout: float) -> dict[int, int]:
+    deadline = time.monotonic() + timeout
+    manifest_bytes = await _wait_for(box, p.MANIFEST, deadline, "align")
+    manifest = p.decode_manifest(p.MANIFEST, manifest_bytes)
+    from_manifest(manifest.algorithm)  # settings this release understands
+    layout = ModelLayout.for_run(model, manifest)  # ProtocolError naming any difference
+    rounds, tensors = await load_newest(box, layout, deadline)
+    if manifest.frozen_payload is not None:
+        frozen = await retrying(
+            partial(get_tensors, box, manifest.frozen_payload, manifest.frozen), deadline=deadline
+        )
+        layout.load_frozen(frozen)
+    for fragment, values in tensors.items():
+        layout.load(fragment, values)
+    return rounds
+
+
+def align(model: torch.nn.Module, *, mailbox: Mailbox, timeout: float = 60.0) -> dict[int, int]:
+    """Load the run's newest committed parameters into ``model`` without joining.
+
+    Returns ``{fragment: round}`` of the commits loaded. For evaluation, or to start a new
+    process from the run's current state.
+    """
+    return run_coroutine(_align(model, mailbox, timeout))

@@ -1,0 +1,194 @@
+"""Every key of the round protocol: its layout, builders and parsers (no I/O, no torch).
+
+Every object is created once with ``put_if_absent``; numbers in keys have a fixed width, so
+byte order is numeric order. No server clock is used anywhere.
+
+==================================  ==============  ===========================================
+key                                 written by      holds
+==================================  ==============  ===========================================
+``claims/creator``                  first node      CreatorClaim: elects the creator
+``claims/creator-{attempt:04d}``    joiner          a later creator claim (the holder died)
+``manifest.json``                   creator         Manifest: format, algorithm, layout
+``rounds/{r:010d}``                 round closer    Commit: the round's result
+``snapshots/{r:010d}/{learner}``    learner         Snapshot: a contribution to round r
+``claims/{r:010d}/{attempt:04d}``   closer          Claim: elects round r's closer
+``leases/{learner}/{beat:010d}``    learner         Beat: heartbeat; newest key wins
+``blobs/{sha256}``                  anyone          safetensors bytes named by their hash
+``blobs/{sha256}.parts``            anyone          index of a payload stored in parts
+``barriers/{name}/{learner}``       Barrier         arrival (patterns)
+``units/{id}``                      Shared Queue    first claim of a unit (patterns)
+``units-reclaims/{id}/{attempt}``   Shared Queue    later claims of an abandoned unit
+``units-done/{id}``                 Shared Queue    the unit was consumed completely
+``units-leases/{learner}/{beat}``   Shared Queue    the queue's own lease (same rules)
+==================================  ==============  ===========================================
+
+Rounds form one monotone sequence. With ``P`` fragments, round ``r`` carries fragment
+``r % P``; rounds ``0 .. P-1`` hold the initial parameters (no contributors), so every
+node starts from identical values, and round ``r >= P`` is based on round ``r - P``.
+"""
+
+from __future__ import annotations
+
+import re
+
+from gradientmail.errors import ProtocolError
+
+FORMAT_VERSION = 1
+
+CREATOR = "claims/creator"
+MANIFEST = "manifest.json"
+ROUNDS = "rounds/"
+SNAPSHOTS = "snapshots/"
+CLAIMS = "claims/"
+LEASES = "leases/"
+BLOBS = "blobs/"
+
+_ROUND_WIDTH = 10
+_ATTEMPT_WIDTH = 4
+_LEARNER_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_SHA_RE = re.compile(r"[0-9a-f]{64}")
+
+
+def check_learner_id(learner_id: object) -> str:
+    """Return ``learner_id`` if it can be a key segment, else raise ``ValueError``."""
+    if not isinstance(learner_id, str) or not _LEARNER_RE.fullmatch(learner_id):
+        raise ValueError(
+            f"learner_id {learner_id!r} is not a valid key segment: use 1-128 characters "
+            "from A-Z a-z 0-9 . _ -, starting with a letter or digit"
+        )
+    return learner_id
+
+
+def round_key(r: int) -> str:
+    return f"{ROUNDS}{r:0{_ROUND_WIDTH}d}"
+
+
+def parse_round_key(key: str) -> int:
+    tail = key.removeprefix(ROUNDS)
+    if tail == key or len(tail) != _ROUND_WIDTH or not tail.isdigit():
+        raise ProtocolError(f"{key!r} is not a round key (rounds/ and {_ROUND_WIDTH} digits)")
+    return int(tail)
+
+
+def snapshots_prefix(r: int) -> str:
+    return f"{SNAPSHOTS}{r:0{_ROUND_WIDTH}d}/"
+
+
+def snapshot_key(r: int, learner: str) -> str:
+    return f"{snapshots_prefix(r)}{learner}"
+
+
+def claims_prefix(r: int) -> str:
+    return f"{CLAIMS}{r:0{_ROUND_WIDTH}d}/"
+
+
+def claim_key(r: int, attempt: int) -> str:
+    return f"{claims_prefix(r)}{attempt:0{_ATTEMPT_WIDTH}d}"
+
+
+def parse_claim_attempt(key: str) -> int:
+    tail = key.rpartition("/")[2]
+    if len(tail) != _ATTEMPT_WIDTH or not tail.isdigit():
+        raise ProtocolError(f"{key!r} is not a claim key")
+    return int(tail)
+
+
+def creator_key(attempt: int) -> str:
+    """Creator claim ``attempt``: ``claims/creator`` for 0 (what every release reads), then
+    ``claims/creator-0001``... A sibling, never a child: ``claims/creator`` is a key, so it
+    cannot also be a directory (spec 004). Byte order is attempt order."""
+    if attempt < 0 or attempt >= 10**_ATTEMPT_WIDTH:
+        raise ValueError(f"creator claim attempt {attempt} is out of range")
+    return CREATOR if attempt == 0 else f"{CREATOR}-{attempt:0{_ATTEMPT_WIDTH}d}"
+
+
+def parse_creator_attempt(key: str) -> int:
+    """``claims/creator`` → 0, ``claims/creator-{attempt:04d}`` → attempt."""
+    if key == CREATOR:
+        return 0
+    tail = key.removeprefix(f"{CREATOR}-")
+    if tail == key or len(tail) != _ATTEMPT_WIDTH or not tail.isdigit() or int(tail) == 0:
+        raise ProtocolError(f"{key!r} is not a creator claim key")
+    return int(tail)
+
+
+def claim_round(key: str) -> int | None:
+    """``claims/{round}/{attempt}`` -> round; None for any other key under ``claims/``."""
+    parts = key.split("/")
+    if (
+        len(parts) == 3
+        and parts[0] == CLAIMS.rstrip("/")
+        and len(parts[1]) == len(claims_prefix(0)) - len(CLAIMS) - 1
+        and parts[1].isdigit()
+        and parts[2].isdigit()
+        and key == claim_key(int(parts[1]), int(parts[2]))
+    ):
+        return int(parts[1])
+    return None
+
+
+def lease_prefix(learner: str) -> str:
+    return f"{LEASES}{learner}/"
+
+
+LEAVING_BEAT = 10**_ROUND_WIDTH - 1
+"""A learner that leaves writes this beat number last: observers drop it at once."""
+
+
+def beat_key(learner: str, beat: int) -> str:
+    return f"{lease_prefix(learner)}{beat:0{_ROUND_WIDTH}d}"
+
+
+def parse_beat_key(key: str) -> tuple[str, int]:
+    """``leases/{learner}/{beat}`` → (learner, beat)."""
+    parts = key.split("/")
+    if (
+        len(parts) != 3
+        or parts[0] != LEASES.rstrip("/")
+        or len(parts[2]) != _ROUND_WIDTH
+        or not parts[2].isdigit()
+        or not _LEARNER_RE.fullmatch(parts[1])
+    ):
+        raise ProtocolError(f"{key!r} is not a lease beat key")
+    return parts[1], int(parts[2])
+
+
+def parse_snapshot_key(key: str) -> tuple[int, str]:
+    """``snapshots/{round}/{learner}`` → (round, learner)."""
+    parts = key.split("/")
+    if (
+        len(parts) != 3
+        or parts[0] != SNAPSHOTS.rstrip("/")
+        or len(parts[1]) != _ROUND_WIDTH
+        or not parts[1].isdigit()
+        or not _LEARNER_RE.fullmatch(parts[2])
+    ):
+        raise ProtocolError(f"{key!r} is not a snapshot key")
+    return int(parts[1]), parts[2]
+
+
+PARTS_SUFFIX = ".parts"  # a payload stored as parts: this blob is its index (see payload.py)
+
+
+def blob_key(sha256_hex: str) -> str:
+    return f"{BLOBS}{sha256_hex}"
+
+
+def parts_key(sha256_hex: str) -> str:
+    """The key of a part index: the sha256 of the index's own bytes, and the suffix that
+    tells readers (and sweepers) to follow it to the parts it names."""
+    return f"{BLOBS}{sha256_hex}{PARTS_SUFFIX}"
+
+
+def is_parts_key(key: str) -> bool:
+    return key.startswith(BLOBS) and key.endswith(PARTS_SUFFIX)
+
+
+def blob_sha(key: str) -> str:
+    """The sha256 a blob key names: of the payload's bytes, or of its part index's bytes."""
+    sha = key.removeprefix(BLOBS).removesuffix(PARTS_SUFFIX)
+    if not key.startswith(BLOBS) or not _SHA_RE.fullmatch(sha):
+        raise ProtocolError(
+            f"{key!r} is not a blob key (blobs/, a sha256 hex digest, optionally {PARTS_SUFFIX})"
+        )
+    return sha
