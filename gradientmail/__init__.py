@@ -1,25 +1,29 @@
 """GradientMail: distributed training whose nodes never connect to each other.
 
 Nodes meet only in a shared object store, the *mailbox*. The public surface is re-exported
-here; everything else is private to its package.
+here (``__all__``); everything else is private to its package. The layers, lowest first
+(each imports only from the ones above it in this list):
 
-Package map:
-
-- ``errors.py``: the exception hierarchy (who is at fault, what to do).
-- ``mailbox/``: the :class:`Mailbox` Protocol and its backends (memory, file, S3) and
-  :func:`open_mailbox`.
-- ``testing/``: the mailbox contract suite and fault injectors, for users' own tests.
-- ``protocol.py``: the key layout and the records (frozen dataclasses <-> JSON).
-- ``payload.py``: tensors <-> safetensors bytes named by their sha256.
-- ``algorithms/``: :class:`DiLoCo` (what a contribution is, how a round combines them).
-- ``session.py``: :class:`Session`, the learner; ``_closer.py`` closes rounds, ``_join.py``
-  creates/joins a run and holds :func:`align`, ``_layout.py`` maps a model to fragments,
-  ``_leases.py`` judges liveness, ``_retry.py`` backs off, ``_metered.py`` counts traffic.
-- ``events.py``: the events and counters a Session reports.
-- ``inspect.py``: a read-only view of a run (CLI, operator); ``verify.py`` recomputes commits.
-- ``patterns/``: :class:`Barrier` (``barrier.py``) and the Shared Queue (``shared_queue.py``).
-- ``cli/``: the ``gradientmail`` command (``run``, ``status``, ``align``, ``verify``, ``sweep``,
-  ``rm``, ``demo``).
+- ``errors.py``, ``events.py``: the exceptions (who is at fault, what to do) and the events
+  and counters a Session reports.
+- ``mailbox/``: the :class:`Mailbox` Protocol, its backends (memory, file, S3),
+  :func:`open_mailbox`, key validation, and a metering wrapper.
+- ``wire/``: every key and record of the protocol (keys, records, payload part indexes); no
+  torch.
+- ``coord/``: coordination through create-once writes: jittered retry, leases and the
+  heartbeat task, claim-with-failover, sweeping; no torch. Used by the engine, the
+  patterns and the CLI alike.
+- ``payload/``: tensors <-> content-addressed safetensors bytes (no pickle), buffer pools.
+- ``algorithms/``: the :class:`Algorithm` protocol the engine calls, and :class:`DiLoCo`.
+- ``engine/``: a model as fragments (``layout``), joining and creator failover (``join``),
+  closing rounds (``closer``), recomputing commits (``verify``, public as ``gm.verify``).
+- ``session/``: :class:`Session` (the learner) and :func:`align`.
+- ``patterns/``: :class:`Barrier` and the Shared Queue, on ``coord/``.
+- ``launch/``: the ``GradientMailRun`` model and the node environment; ``node.py`` is the
+  built-in node (``python -m gradientmail.node``).
+- ``inspect.py``: a read-only view of a run (CLI, operator).
+- ``cli/``: the ``gradientmail`` command; ``testing/``: the mailbox contract suite and fault
+  injectors, for users' own tests.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -41,11 +45,12 @@ from gradientmail.patterns.barrier import Barrier
 from gradientmail.patterns.shared_queue import SharedQueue, shared_queue
 
 if TYPE_CHECKING:
-    from gradientmail.algorithms import DiLoCo
+    from gradientmail.algorithms import Algorithm, DiLoCo
     from gradientmail.engine import verify
     from gradientmail.session import Session, align
 
 __all__ = [
+    "Algorithm",
     "Barrier",
     "DiLoCo",
     "FileMailbox",
@@ -72,6 +77,7 @@ __all__ = [
 _TORCH_NAMES = {
     "Session": ("gradientmail.session", "Session"),
     "DiLoCo": ("gradientmail.algorithms", "DiLoCo"),
+    "Algorithm": ("gradientmail.algorithms", "Algorithm"),
     "align": ("gradientmail.session", "align"),
     "verify": ("gradientmail.engine.verify", None),
 }

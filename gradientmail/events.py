@@ -84,7 +84,7 @@ class Applied(Event):
     round: int
     fragment: int
     contributed: bool
-    lag_s: float  # from publishing this fragment to applying its commit (0 if not contributed)
+    lag_s: float  # from the sync point (hand-over) to applying its commit (0 if not contributed)
 
 
 @dataclass(frozen=True)

@@ -101,7 +101,8 @@ class LearnerView:
 
     @property
     def skipping(self) -> bool:
-        """It let sync points pass without contributing (its work there never synced)."""
+        """It let sync points pass without contributing (those steps went into a later,
+        longer contribution)."""
         return bool(self.skipped)
 
     @property

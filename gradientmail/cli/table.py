@@ -135,7 +135,7 @@ def _flags(view: RunView) -> list[RenderableType]:
         who = ", ".join(f"{v.learner} ({v.skipped:,} of {v.sync_points or 0:,})" for v in skipping)
         lines.append(
             Text(
-                f"skipping sync points: {who}; their work at those points was never synced",
+                f"skipping sync points: {who}; those steps went into later, longer contributions",
                 style="red",
             )
         )

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from functools import partial
 
 from gradientmail.coord.retry import Stopped, retrying
+from gradientmail.coord.threads import Wake
 from gradientmail.mailbox import Mailbox
 from gradientmail.wire import LEAVING_BEAT
 
@@ -94,12 +95,14 @@ class Heartbeat:
         *,
         give_up: bool = False,
         clock: Callable[[], float] | None = None,
+        wake: Wake | None = None,
     ) -> None:
         """Beat every ``interval`` seconds until ``stop`` is set; a failure goes to
         ``on_error`` and the next beat is tried on time. ``give_up``: a beat is retried
-        for one interval at most (on ``clock``), and the first failure ends the loop."""
+        for one interval at most (on ``clock``), and the first failure ends the loop.
+        ``wake``: beat at once when raised (news worth showing: a beat carries counters)."""
         while not stop.is_set():
-            await _pause(stop, self.interval)
+            await _pause(stop, self.interval, wake)
             if stop.is_set():
                 return
             deadline = None if not give_up or clock is None else clock() + self.interval
@@ -120,9 +123,14 @@ class Heartbeat:
         )
 
 
-async def _pause(stop: threading.Event, seconds: float) -> None:
-    """Sleep ``seconds`` in slices, returning early once ``stop`` is set."""
+async def _pause(stop: threading.Event, seconds: float, wake: Wake | None = None) -> None:
+    """Sleep ``seconds`` in slices, returning early once ``stop`` is set or ``wake`` raised."""
     loop = asyncio.get_running_loop()
     end = loop.time() + seconds
     while not stop.is_set() and (left := end - loop.time()) > 0:
-        await asyncio.sleep(min(left, 0.05))
+        if wake is None:
+            await asyncio.sleep(min(left, 0.05))
+        elif wake.consume():
+            return
+        else:
+            await wake.wait(min(left, 0.05))

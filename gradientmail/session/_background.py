@@ -57,6 +57,7 @@ class _Background:
     _counters: Counters
     _wake_sync: Wake
     _wake_comm: Wake
+    _wake_beat: Wake
     _outbox: deque[_Pending]
     _inflight: dict[int, _Pending]
     _staged: dict[int, _Staged]
@@ -100,6 +101,7 @@ class _Background:
             self._heartbeat.run(
                 self._stop,
                 lambda exc: self._emit(PollFailed(self.learner_id, error=f"beat: {exc!r}")),
+                wake=self._wake_beat,
             )
         )
         try:
@@ -163,6 +165,9 @@ class _Background:
             pending.payload = key
             pending.published_at = time.monotonic()
             self._counters.published += 1
+        # A beat now: it carries the counters (status shows contributions as they happen,
+        # not up to a beat interval later).
+        self._wake_beat.set()
         self._emit(
             Published(
                 self.learner_id,

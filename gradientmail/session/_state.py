@@ -8,6 +8,7 @@ training thread (at most one per fragment: a newer one merges the older).
 from __future__ import annotations
 
 import logging
+import time
 import os
 import re
 import socket
@@ -60,6 +61,7 @@ class _Pending:
     base_params: dict[str, torch.Tensor]
     samples: int
     step: int  # the local step at which it was handed over
+    handed_at: float = field(default_factory=time.monotonic)  # when (the sync point)
     payload: str | None = None
     published_at: float | None = None
     cancelled: bool = False

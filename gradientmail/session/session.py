@@ -211,6 +211,7 @@ class Session(_Background):
         )
         self._wake_sync = Wake()  # this learner published or committed: look for commits
         self._wake_comm = Wake()  # step() handed a fragment over
+        self._wake_beat = Wake()  # a contribution was published: beat its counters now
         self._closed = False
 
         self.creator = run_coroutine(self._join(float(join_timeout)))
@@ -532,8 +533,10 @@ class Session(_Background):
                 del self._inflight[fragment]
                 pending.cancelled = True
                 self._counters.applied += 1
-                if contributed and pending.published_at is not None:
-                    lag = time.monotonic() - pending.published_at
+                if contributed:
+                    # From the sync point: hashing and uploading the snapshot are part of
+                    # what training waits for (or overlaps).
+                    lag = time.monotonic() - pending.handed_at
                     self._counters.last_commit_lag_s = lag
             if not contributed:
                 self._counted[fragment] -= pending.samples  # it goes into the next one

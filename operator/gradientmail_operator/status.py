@@ -102,8 +102,9 @@ def _waits(lv: LearnerView) -> str:
 
 def sync_condition(view: RunView) -> tuple[bool, Reason, str]:
     """The ``SyncPointsContributed`` condition: False while any learner has skipped a sync
-    point (its work there never synced); True otherwise, with ``WaitingAtSyncPoints`` as the
-    reason while a live learner waits at sync points STALLING_FRACTION of its time or more."""
+    point (its steps there went into a later, longer contribution); True otherwise, with
+    ``WaitingAtSyncPoints`` as the reason while a live learner waits at sync points
+    STALLING_FRACTION of its time or more."""
     sync = view.sync
     if sync.skipping:
         skipping = [lv for lv in view.learners if lv.skipping]
@@ -111,8 +112,8 @@ def sync_condition(view: RunView) -> tuple[bool, Reason, str]:
         return (
             False,
             Reason.SYNC_POINTS_SKIPPED,
-            f"{sync.skipped} of {sync.sync_points} sync points skipped ({names}): their "
-            "work at those points was never synced",
+            f"{sync.skipped} of {sync.sync_points} sync points skipped ({names}): those steps "
+            "went into later, longer contributions (free_running, or waits that gave up)",
         )
     if sync.stalling:
         stalling = [lv for lv in view.learners if lv.stalling]
@@ -146,8 +147,8 @@ def sync_warnings(view: RunView, warned: set[tuple[Reason, str]]) -> list[tuple[
                 events.append(
                     (
                         Reason.SYNC_POINTS_SKIPPED,
-                        f"learner {_skips(lv)} sync points: its work at those points was "
-                        "never synced",
+                        f"learner {_skips(lv)} sync points: those steps went into later, "
+                        "longer contributions",
                     )
                 )
         if lv.stalling:

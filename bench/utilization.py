@@ -1,0 +1,747 @@
+"""Benchmark 9 — utilization: the fraction of wall time ``step()`` holds the training thread
+at a realistic step time, under each sync policy, and how many sync points contribute.
+
+4 learner processes (spawned; each its own ``gm.Session``, one torch thread) train a
+10M-parameter model (``_workload.build_model``: 8 square Linear layers, float32, one
+fragment) with a 50 ms training step and ``DiLoCo(sync_every=50)``, ``quorum_size=4``, on
+the filesystem mailbox and on SeaweedFS, once per policy:
+
+- ``overlap=0`` (the default: ``step()`` waits at each sync point until its commit is
+  applied: exact DiLoCo), ``overlap=5`` and ``overlap=10`` (training runs on; ``step()``
+  waits only if the commit is not applied 5 or 10 steps later);
+- ``free_running=True`` (the old behaviour: a sync point whose previous round is still in
+  flight is skipped), with its skipped sync points and effective inner steps per
+  contribution.
+
+The 50 ms step is simulated, honestly, so that 4 learners fit on 2 cores: each step adds a
+small deterministic perturbation in place to a window of 65,536 elements of every parameter
+tensor (about 1M of the 10M parameters per step, every parameter within a sync period, so
+the snapshots differ and the payloads are real), then sleeps 50 ms minus what that update
+cost. A step therefore lasts max(50 ms, update) of wall time and leaves the CPU to the
+Session's background threads (publish, close, combine, download), as a GPU step would.
+
+Measured per learner, over the training loop (after every learner joined and met at a
+``gm.Barrier``, up to the end of the last step; ``close()`` is timed apart): the loop's wall
+time; the time inside ``step()`` (``perf_counter`` around each call); ``Counters.waited_s``
+and ``waits``; sync points reached vs contributed; commit lag (``Applied.lag_s``); where
+the waiting comes from: each contribution's round trip from its sync point to its commit
+applied (and the publish within it), the ``step()`` calls that copy out or apply without
+waiting, and the process's CPU time (all threads). The
+reference is the bare loop: the same steps without a Session, run in the same processes at
+the same time before they join. Reported (median over learners, min–max): ``step() wait
+fraction = time in step() / loop wall time`` and the loop's wall time over the bare loop's.
+
+The loop runs ``periods`` sync periods plus half a period, so the last sync point's commit
+falls inside the loop under every policy. Targets (reported, never asserted): < 5% of the
+wall time in ``step()`` under the default policy (INTELLECT-1 and OpenDiLoCo report 90–96%
+compute utilization); 100% of sync points contributing under the waiting policies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import multiprocessing as mp
+import queue as queue_module
+import shutil
+import sys
+import threading
+import time
+import traceback
+import uuid
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+import gradientmail as gm
+from bench import _harness as h
+from bench._workload import BATCH, build_model
+from gradientmail import events as ev
+
+NAME = "utilization"
+
+# Session keyword arguments per policy, in the order the tables list them.
+POLICIES: dict[str, dict[str, Any]] = {
+    "overlap=0": {},
+    "overlap=5": {"overlap": 5},
+    "overlap=10": {"overlap": 10},
+    "free_running": {"free_running": True},
+}
+DEFAULT_POLICY = "overlap=0"
+BACKENDS = ("filesystem", "seaweedfs")
+
+
+@dataclass(frozen=True)
+class Config:
+    params: int = 10_000_000
+    step_ms: float = 50.0
+    sync_every: int = 50
+    learners: int = 4
+    periods: int = 6  # sync points reached inside the measured loop
+    tail: int | None = None  # steps after the last sync point (default: half a period)
+    window: int = 65_536  # elements of each parameter tensor the simulated step updates
+    backends: tuple[str, ...] = BACKENDS
+    policies: tuple[str, ...] = tuple(POLICIES)
+    poll_interval: float = 0.5  # Session's default
+    timeout: float = 180.0  # a barrier, a join, a close
+
+    @property
+    def tail_steps(self) -> int:
+        return self.sync_every // 2 if self.tail is None else self.tail
+
+    @property
+    def steps(self) -> int:
+        return self.periods * self.sync_every + self.tail_steps
+
+
+def config_for(ctx: h.Context) -> Config:
+    """The preset's sizes, then any ``ctx.options["utilization"]`` overrides (tests)."""
+    config = Config(periods=ctx.pick(6, 3, 20))
+    overrides = dict(ctx.options.get(NAME) or {})
+    for key in ("backends", "policies"):
+        if key in overrides:
+            overrides[key] = tuple(overrides[key])
+    config = dataclasses.replace(config, **overrides)
+    unknown = [x for x in config.policies if x not in POLICIES]
+    if unknown:
+        raise ValueError(f"unknown policies {unknown}; choose from {list(POLICIES)}")
+    unknown = [x for x in config.backends if x not in BACKENDS]
+    if unknown:
+        raise ValueError(f"unknown backends {unknown}; choose from {list(BACKENDS)}")
+    return config
+
+
+# -- the learner processes -------------------------------------------------------------------
+
+
+class _Work:
+    """The simulated training step: a real in-place update of a window of every parameter
+    tensor (deterministic, distinct per learner), then a sleep to the step time."""
+
+    def __init__(self, model: torch.nn.Module, index: int, config: Config) -> None:
+        self.flats = [p.detach().view(-1) for p in model.parameters()]
+        largest = max(f.numel() for f in self.flats)
+        generator = torch.Generator().manual_seed(1000 + index)
+        self.noise = torch.randn(min(config.window, largest), generator=generator) * 1e-4
+        self.step_s = config.step_ms / 1000
+
+    def step(self, number: int) -> float:
+        """One training step; returns the seconds the update itself took."""
+        start = time.perf_counter()
+        with torch.no_grad():
+            for flat in self.flats:
+                width = min(self.noise.numel(), flat.numel())
+                at = (number * width) % (flat.numel() - width + 1)
+                flat[at : at + width].add_(self.noise[:width])
+        cost = time.perf_counter() - start
+        if cost < self.step_s:
+            time.sleep(self.step_s - cost)
+        return cost
+
+
+def _learner(
+    index: int, config: Config, tasks: list[tuple[str, gm.Mailbox]], barrier: Any, queue: Any
+) -> None:
+    try:
+        _learn(index, config, tasks, barrier, queue)
+    except BaseException as exc:
+        with contextlib.suppress(Exception):
+            barrier.abort()
+        queue.put(
+            {
+                "index": index,
+                "error": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc(),
+            }
+        )
+
+
+def _learn(
+    index: int, config: Config, tasks: list[tuple[str, gm.Mailbox]], barrier: Any, queue: Any
+) -> None:
+    # Four processes on two cores: one intra-op thread each.
+    torch.set_num_threads(1)
+    model = build_model(config.params)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    work = _Work(model, index, config)
+
+    # The reference: the same steps without a Session, all learners at once.
+    barrier.wait(timeout=config.timeout)
+    updates = []
+    cpu_from = time.process_time()
+    start = time.perf_counter()
+    for number in range(config.steps):
+        updates.append(work.step(number))
+    wall = time.perf_counter() - start
+    cpu = time.process_time() - cpu_from
+    queue.put(
+        {
+            "index": index,
+            "phase": "bare",
+            "wall_s": wall,
+            "cpu_s": cpu,
+            "update_s": h.Stats.of(updates).median,
+            "update_max_s": max(updates),
+        }
+    )
+    for policy, mailbox in tasks:
+        model.load_state_dict(initial)  # in place: the work's views stay valid
+        barrier.wait(timeout=config.timeout)  # the previous policy closed everywhere
+        queue.put(_policy(index, policy, mailbox, model, work, config, queue))
+
+
+def _policy(
+    index: int,
+    policy: str,
+    mailbox: gm.Mailbox,
+    model: torch.nn.Module,
+    work: _Work,
+    config: Config,
+    queue: Any,
+) -> dict[str, Any]:
+    events: list[tuple[float, ev.Event]] = []
+    lock = threading.Lock()
+
+    def on_event(event: ev.Event) -> None:
+        with lock:
+            events.append((time.monotonic(), event))
+
+    learner_id = f"learner-{index}"
+    started = time.perf_counter()
+    session = gm.Session(
+        model,
+        algorithm=gm.DiLoCo(sync_every=config.sync_every),
+        mailbox=mailbox,
+        learner_id=learner_id,
+        quorum_size=config.learners,
+        poll_interval=config.poll_interval,
+        on_event=on_event,
+        **POLICIES[policy],
+    )
+    join_s = time.perf_counter() - started
+    with session:
+        # Rounds include everybody: nobody trains before all have joined.
+        gm.Barrier(mailbox=mailbox, learner_id=learner_id, poll_interval=0.05).wait(
+            "utilization-start", parties=config.learners, timeout=config.timeout
+        )
+        in_step = 0.0
+        longest = 0.0
+        updates = []
+        inner: list[int] = []  # local steps each contribution covered
+        calls: list[tuple[int, float, bool]] = []  # (step, seconds, applied a commit)
+        handed: list[tuple[int, float]] = []  # (round, monotonic at its sync point's call)
+        contributed_at: set[int] = set()  # the steps of the sync points that contributed
+        open_rounds: deque[tuple[int, float]] = deque()  # handed over, not yet applied
+        round_trip: list[float] = []  # sync point -> its commit applied, as training sees it
+        before = session.counters()
+        loop_from = time.monotonic()
+        cpu_from = time.process_time()
+        start = time.perf_counter()
+        for number in range(config.steps):
+            updates.append(work.step(number))
+            rounds = session.rounds[0]
+            at = time.monotonic()
+            t = time.perf_counter()
+            session.step(samples=BATCH)
+            took = time.perf_counter() - t
+            in_step += took
+            longest = max(longest, took)
+            now = session.rounds[0]
+            due = session.steps % config.sync_every == 0  # a sync point (one fragment)
+            if due or took > 0.001 or now != rounds:
+                calls.append((session.steps, took, now != rounds))
+            if due:
+                c = session.counters()
+                if c.skipped_syncs == before.skipped_syncs:  # contributed
+                    inner.append(c.last_inner_steps)
+                    # The round handed over: applied within this call when step() waited
+                    # for it (overlap=0, unless the wait gave up), else the next one.
+                    exact = session.overlap == 0 and not session.free_running
+                    timed_out = c.wait_timeouts != before.wait_timeouts
+                    r = now if exact and not timed_out else now + 1
+                    handed.append((r, at))
+                    contributed_at.add(session.steps)
+                    open_rounds.append((r, at))
+                before = c
+                if index == 0:
+                    queue.put({"progress": f"{policy}: step {session.steps}/{config.steps}"})
+            while open_rounds and open_rounds[0][0] <= now:
+                round_trip.append(time.monotonic() - open_rounds.popleft()[1])
+        wall = time.perf_counter() - start
+        cpu = time.process_time() - cpu_from
+        loop_to = time.monotonic()
+        loop = session.counters()
+        rounds_in_loop = session.rounds[0]
+        t = time.perf_counter()
+        session.close(timeout=config.timeout)
+        close_s = time.perf_counter() - t
+    final = session.counters()
+    with lock:
+        seen = list(events)
+    lags = [e.lag_s for _, e in seen if isinstance(e, ev.Applied) and e.contributed]
+    waited = [(at, e) for at, e in seen if isinstance(e, ev.SyncWaited)]
+    waits = [e.seconds for at, e in waited if loop_from <= at <= loop_to]
+    wait_steps = {e.step for _, e in waited}
+    published = {e.round: at for at, e in seen if isinstance(e, ev.Published)}
+    publish = [published[r] - at for r, at in handed if r in published]
+    failures = [
+        repr(e) for _, e in seen if isinstance(e, ev.PollFailed | ev.PublishFailed | ev.RoundFailed)
+    ]
+    return {
+        "index": index,
+        "phase": policy,
+        "join_s": join_s,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "in_step_s": in_step,
+        "longest_step_s": longest,
+        "update_s": h.Stats.of(updates).median,
+        "waited_s": loop.waited_s,
+        "waits": loop.waits,
+        "wait_timeouts": loop.wait_timeouts,
+        "wait_s": waits,
+        "sync_points": loop.sync_points,
+        "skipped_syncs": loop.skipped_syncs,
+        "contributed": loop.sync_points - loop.skipped_syncs,
+        "inner_steps": inner,
+        "lag_s": lags,
+        "round_trip_s": round_trip,
+        "publish_s": publish,
+        # step() calls that did not wait: copying the due fragment out, applying a commit.
+        "copy_out_s": [
+            took
+            for step, took, applied in calls
+            if step in contributed_at and step not in wait_steps and not applied
+        ],
+        "apply_s": [took for step, took, applied in calls if applied and step not in wait_steps],
+        "rounds_in_loop": rounds_in_loop,
+        "rounds_final": session.rounds[0],
+        "close_s": close_s,
+        "published_final": final.published,
+        "sync_points_final": final.sync_points,
+        "skipped_final": final.skipped_syncs,
+        "failures": failures[:20],
+    }
+
+
+# -- the parent side -------------------------------------------------------------------------
+
+
+def _slug(policy: str) -> str:
+    return policy.replace("=", "").replace("_", "-")
+
+
+@contextmanager
+def _mailboxes(
+    backend: str, workdir: Path, policies: tuple[str, ...]
+) -> Iterator[list[tuple[str, gm.Mailbox]]]:
+    """A fresh mailbox per policy: a directory each, or a prefix each on one SeaweedFS."""
+    if backend == "filesystem":
+        roots = [workdir / f"utilization-{_slug(x)}-{uuid.uuid4().hex[:6]}" for x in policies]
+        try:
+            yield [(x, gm.FileMailbox(root)) for x, root in zip(policies, roots, strict=True)]
+        finally:
+            for root in roots:
+                shutil.rmtree(root, ignore_errors=True)
+        return
+    from tests.support import s3servers
+
+    h.progress("starting SeaweedFS")
+    with s3servers.seaweedfs(workdir / f"seaweedfs-{uuid.uuid4().hex[:6]}") as server:
+        yield [
+            (x, server.mailbox(f"utilization-{_slug(x)}-{uuid.uuid4().hex[:6]}")) for x in policies
+        ]
+
+
+def run_backend(ctx: h.Context, config: Config, backend: str) -> dict[str, Any]:
+    """All policies on one backend, in one set of learner processes; per learner results."""
+    spawn = mp.get_context("spawn")
+    with _mailboxes(backend, ctx.workdir, config.policies) as tasks:
+        barrier = spawn.Barrier(config.learners)
+        queue = spawn.Queue()
+        procs = [
+            spawn.Process(
+                target=_learner,
+                args=(i, config, tasks, barrier, queue),
+                name=f"utilization-{i}",
+                daemon=True,
+            )
+            for i in range(config.learners)
+        ]
+        h.progress(
+            f"{backend}: {config.learners} learner processes, "
+            f"{config.params / 1e6:g}M params, {config.steps} steps of {config.step_ms:g} ms, "
+            f"policies {', '.join(config.policies)}"
+        )
+        for proc in procs:
+            proc.start()
+        phases = ["bare", *config.policies]
+        expected = config.learners * len(phases)
+        results: dict[tuple[str, int], dict[str, Any]] = {}
+        errors: list[str] = []
+        loop_s = config.steps * config.step_ms / 1000
+        deadline = time.monotonic() + 120 + len(phases) * (4 * loop_s + config.timeout)
+        grace: float | None = None
+        try:
+            while len(results) < expected:
+                now = time.monotonic()
+                if now > deadline or (grace is not None and now > grace):
+                    errors.append("gave up waiting for the learners (time limit)")
+                    break
+                try:
+                    item = queue.get(timeout=1)
+                except queue_module.Empty:
+                    if all(p.exitcode is not None for p in procs):
+                        break
+                    continue
+                if "progress" in item:
+                    h.progress(f"{backend}: {item['progress']}")
+                elif "error" in item:
+                    errors.append(f"learner-{item['index']}: {item['error']}")
+                    h.progress(f"{backend}: learner-{item['index']} failed:\n{item['traceback']}")
+                    if grace is None:  # the others fail at the next barrier, or hang
+                        grace = time.monotonic() + 30
+                else:
+                    results[(item["phase"], item["index"])] = item
+                    done = [
+                        x for x in phases if all((x, i) in results for i in range(config.learners))
+                    ]
+                    if item["index"] == 0 or len(done) == len(phases):
+                        h.progress(f"{backend}: {item['phase']}: learner-{item['index']} done")
+        finally:
+            for proc in procs:
+                proc.join(timeout=30 if not errors else 5)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join(timeout=10)
+    missing = [x for x in phases if any((x, i) not in results for i in range(config.learners))]
+    if errors or missing:
+        raise RuntimeError(f"{backend}: {'; '.join(errors) or 'no result'} (missing: {missing})")
+    return {phase: [results[(phase, i)] for i in range(config.learners)] for phase in phases}
+
+
+# -- the report ------------------------------------------------------------------------------
+
+
+def _pct(st: h.Stats) -> str:
+    if st.n == 0:
+        return "-"
+    if st.n == 1 or st.min == st.max:
+        return f"{100 * st.median:.1f}%"
+    return f"{100 * st.median:.1f}% ({100 * st.min:.1f}–{100 * st.max:.1f})"
+
+
+def _num(st: h.Stats, digits: int = 0, suffix: str = "") -> str:
+    if st.n == 0:
+        return "-"
+    if st.n == 1 or st.min == st.max:
+        return f"{st.median:.{digits}f}{suffix}"
+    return f"{st.median:.{digits}f}{suffix} ({st.min:.{digits}f}–{st.max:.{digits}f})"
+
+
+def _ratio(st: h.Stats) -> str:
+    return _num(st, 2, "x")
+
+
+def summarize(config: Config, runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
+    """Per backend and policy: the statistics over learners the tables show."""
+    out: dict[str, Any] = {}
+    for backend, phases in runs.items():
+        bare = phases["bare"]
+        bare_wall = [x["wall_s"] for x in bare]
+        row: dict[str, Any] = {
+            "bare": {
+                "wall_s": h.Stats.of(bare_wall).__dict__,
+                "update_s": h.Stats.of(x["update_s"] for x in bare).__dict__,
+                "update_max_s": max(x["update_max_s"] for x in bare),
+                "cpu_cores": h.Stats.of(x["cpu_s"] / x["wall_s"] for x in bare).__dict__,
+            }
+        }
+        for policy in config.policies:
+            learners = phases[policy]
+            fraction = [x["in_step_s"] / x["wall_s"] for x in learners]
+            waited = [x["waited_s"] / x["wall_s"] for x in learners]
+            outside = [(x["in_step_s"] - x["waited_s"]) / x["wall_s"] for x in learners]
+            ratio = [x["wall_s"] / b for x, b in zip(learners, bare_wall, strict=True)]
+            inner = [s for x in learners for s in x["inner_steps"]]
+            lags = [s for x in learners for s in x["lag_s"]]
+            reached = sum(x["sync_points"] for x in learners)
+            contributed = sum(x["contributed"] for x in learners)
+            row[policy] = {
+                "wall_s": h.Stats.of(x["wall_s"] for x in learners).__dict__,
+                "wall_over_bare": h.Stats.of(ratio).__dict__,
+                "in_step_s": h.Stats.of(x["in_step_s"] for x in learners).__dict__,
+                "step_fraction": h.Stats.of(fraction).__dict__,
+                "waited_fraction": h.Stats.of(waited).__dict__,
+                "step_outside_waits_fraction": h.Stats.of(outside).__dict__,
+                "waits": h.Stats.of(x["waits"] for x in learners).__dict__,
+                "wait_timeouts": sum(x["wait_timeouts"] for x in learners),
+                "single_wait_s": h.Stats.of(s for x in learners for s in x["wait_s"]).__dict__,
+                "longest_step_s": max(x["longest_step_s"] for x in learners),
+                "sync_points": reached,
+                "contributed": contributed,
+                "contributing": contributed / reached if reached else math.nan,
+                "skipped": sum(x["skipped_syncs"] for x in learners),
+                # Local steps per contribution over the loop: a skipped sync point's steps
+                # go into a later contribution (the last ones into close()'s).
+                "effective_inner_steps": (
+                    config.sync_every * reached / contributed if contributed else math.nan
+                ),
+                "inner_steps": h.Stats.of(inner).__dict__,
+                "lag_s": h.Stats.of(lags).__dict__,
+                "round_trip_s": h.Stats.of(s for x in learners for s in x["round_trip_s"]).__dict__,
+                "publish_s": h.Stats.of(s for x in learners for s in x["publish_s"]).__dict__,
+                "copy_out_s": h.Stats.of(s for x in learners for s in x["copy_out_s"]).__dict__,
+                "apply_s": h.Stats.of(s for x in learners for s in x["apply_s"]).__dict__,
+                "cpu_cores": h.Stats.of(x["cpu_s"] / x["wall_s"] for x in learners).__dict__,
+                "rounds_in_loop": h.Stats.of(x["rounds_in_loop"] for x in learners).__dict__,
+                "rounds_final": max(x["rounds_final"] for x in learners),
+                "close_s": h.Stats.of(x["close_s"] for x in learners).__dict__,
+                "join_s": h.Stats.of(x["join_s"] for x in learners).__dict__,
+                "failures": sum(len(x["failures"]) for x in learners),
+            }
+        out[backend] = row
+    return out
+
+
+def _stats(d: dict[str, Any]) -> h.Stats:
+    return h.Stats(**d)
+
+
+def run(ctx: h.Context) -> h.Report:
+    config = config_for(ctx)
+    report = h.Report(
+        NAME,
+        "9. Utilization: the fraction of wall time step() holds the training thread",
+        "the bare loop: the same simulated steps without a Session, in the same learner "
+        "processes, all at once, before they join",
+    )
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    errors: dict[str, str] = {}
+    for backend in config.backends:
+        try:
+            runs[backend] = run_backend(ctx, config, backend)
+        except Exception as exc:
+            errors[backend] = f"{type(exc).__name__}: {exc}"
+            report.notes.append(f"{backend}: not measured: {errors[backend]}")
+    if not runs:
+        raise RuntimeError("; ".join(f"{k}: {v}" for k, v in errors.items()))
+    summary = summarize(config, runs)
+
+    what = (
+        f"{config.learners} learner processes, {config.params / 1e6:g}M params, "
+        f"{config.step_ms:g} ms step, DiLoCo(sync_every={config.sync_every}), "
+        f"quorum_size={config.learners}, {config.steps} steps ({config.periods} sync points "
+        f"+ {config.tail_steps} steps)"
+    )
+    simulated = (
+        f"The {config.step_ms:g} ms step is simulated: an in-place update of "
+        f"{config.window:,} elements of every parameter tensor (a rotating window, distinct "
+        "per learner), then a sleep for the rest of the step, so 4 learners fit on 2 cores "
+        "and the CPU is left to the Session's threads, as a GPU step would leave it."
+    )
+    table = report.table(
+        f"Training-thread time in step(): {what} (median over learners, min–max)",
+        [
+            "mailbox",
+            "policy",
+            "loop wall time",
+            "wall / bare loop",
+            "step() wait fraction",
+            "of which waiting (waited_s)",
+            "step() outside waits",
+            "waits per learner",
+            "single wait",
+            "longest step()",
+        ],
+        note=(
+            "step() wait fraction = time inside step() (perf_counter around each call) / "
+            "the loop's wall time; waited_s is Counters.waited_s (the training thread held "
+            "for a commit); outside waits: copying the due fragment out and applying "
+            "commits. The bare loop runs the same steps without a Session, in the same "
+            "processes, all learners at once, before they join. " + simulated
+        ),
+    )
+    for backend, row in summary.items():
+        bare = _stats(row["bare"]["wall_s"])
+        table.add(backend, "bare loop (no Session)", h.secs_range(bare), "1.00x", *["-"] * 6)
+        for policy in config.policies:
+            r = row[policy]
+            label = f"{policy} (default)" if policy == DEFAULT_POLICY else policy
+            table.add(
+                backend,
+                label,
+                h.secs_range(_stats(r["wall_s"])),
+                _ratio(_stats(r["wall_over_bare"])),
+                _pct(_stats(r["step_fraction"])),
+                _pct(_stats(r["waited_fraction"])),
+                _pct(_stats(r["step_outside_waits_fraction"])),
+                _num(_stats(r["waits"])),
+                h.secs_range(_stats(r["single_wait_s"])),
+                h.secs(r["longest_step_s"]),
+            )
+
+    table = report.table(
+        f"Sync points and commits: {what}",
+        [
+            "mailbox",
+            "policy",
+            "sync points reached",
+            "contributed",
+            "contributing",
+            "skipped",
+            "wait timeouts",
+            "inner steps per contribution",
+            "commit lag",
+            "rounds committed (loop end / after close)",
+            "close()",
+        ],
+        note=(
+            "Sync points and contributions: totals over learners, inside the loop (close() "
+            "then contributes the tail). Inner steps per contribution: sync_every x sync "
+            "points reached / contributed (a skipped sync point's steps go into a later "
+            "contribution), and the min–max of the local steps each contribution in the "
+            f"loop covered (Counters.last_inner_steps); sync_every is {config.sync_every}. "
+            "Commit lag: Applied.lag_s, "
+            "publish to applied, median (min–max) over (learner, round). Rounds: median "
+            "over learners at the end of the loop / the newest after close()."
+        ),
+    )
+    for backend, row in summary.items():
+        for policy in config.policies:
+            r = row[policy]
+            inner = _stats(r["inner_steps"])
+            label = f"{policy} (default)" if policy == DEFAULT_POLICY else policy
+            table.add(
+                backend,
+                label,
+                r["sync_points"],
+                r["contributed"],
+                h.pct(r["contributed"], r["sync_points"]),
+                r["skipped"],
+                r["wait_timeouts"],
+                (
+                    "-"
+                    if inner.n == 0
+                    else f"{r['effective_inner_steps']:.1f} (each {inner.min:.0f}–{inner.max:.0f})"
+                ),
+                h.secs_range(_stats(r["lag_s"])),
+                f"{_stats(r['rounds_in_loop']).median:.0f} / {r['rounds_final']}",
+                h.secs_range(_stats(r["close_s"])),
+            )
+
+    step_s = config.step_ms / 1000
+    table = report.table(
+        "Where the waiting comes from: the round trip of a contribution, and step() calls "
+        "that did not wait",
+        [
+            "mailbox",
+            "policy",
+            "sync point -> commit applied",
+            "of which publishing",
+            "in steps",
+            "copy-out call",
+            "apply call",
+            "CPU per learner (all threads)",
+        ],
+        note=(
+            "Sync point -> commit applied: from the start of the step() call that handed the "
+            "fragment over to the end of the call that applied its commit, as the training "
+            "thread sees it (median, min–max over contributions in the loop); publishing: "
+            "to the Published event (hash + upload of the snapshot and its record); in "
+            f"steps: the median round trip over the {config.step_ms:g} ms step, the overlap "
+            "that would hide it. Copy-out and apply calls: step() calls at a sync point or "
+            "applying a commit without waiting. CPU: the process's CPU time over the loop "
+            "(training thread and the Session's threads) per second of wall time; the bare "
+            "loop's beside the mailbox name."
+        ),
+    )
+    for backend, row in summary.items():
+        bare_cpu = _stats(row["bare"]["cpu_cores"])
+        for policy in config.policies:
+            r = row[policy]
+            trip = _stats(r["round_trip_s"])
+            label = f"{policy} (default)" if policy == DEFAULT_POLICY else policy
+            table.add(
+                f"{backend} (bare loop {bare_cpu.median:.2f} cores)",
+                label,
+                h.secs_range(trip),
+                h.secs_range(_stats(r["publish_s"])),
+                "-" if trip.n == 0 else f"{trip.median / step_s:.0f}",
+                h.secs_range(_stats(r["copy_out_s"])),
+                h.secs_range(_stats(r["apply_s"])),
+                _num(_stats(r["cpu_cores"]), 2, " cores"),
+            )
+
+    for backend in config.backends:
+        if backend not in summary:
+            report.target(
+                f"step() wait fraction, {DEFAULT_POLICY} (default), {backend}",
+                "not measured",
+                "< 5%",
+                None,
+                errors.get(backend, ""),
+            )
+            continue
+        row = summary[backend]
+        if DEFAULT_POLICY in row:
+            st = _stats(row[DEFAULT_POLICY]["step_fraction"])
+            waited = _stats(row[DEFAULT_POLICY]["waited_fraction"])
+            report.target(
+                f"step() wait fraction, {DEFAULT_POLICY} (default), {backend}",
+                f"{_pct(st)} median over learners (min–max); waiting for commits {_pct(waited)}",
+                "< 5% (INTELLECT-1, OpenDiLoCo: 90–96% compute utilization)",
+                st.median < 0.05,
+            )
+        waiting = [x for x in config.policies if not POLICIES[x].get("free_running")]
+        if waiting:
+            reached = sum(row[x]["sync_points"] for x in waiting)
+            contributed = sum(row[x]["contributed"] for x in waiting)
+            report.target(
+                f"sync points contributing, {', '.join(waiting)}, {backend}",
+                f"{contributed} of {reached} ({h.pct(contributed, reached)})",
+                "100%",
+                reached > 0 and contributed == reached,
+            )
+        if "free_running" in row:
+            r = row["free_running"]
+            report.notes.append(
+                f"{backend}, free_running: {r['skipped']} of {r['sync_points']} sync points "
+                f"skipped; effective inner steps per contribution {r['effective_inner_steps']:.1f} "
+                f"(sync_every {config.sync_every})"
+            )
+        update = _stats(row["bare"]["update_s"])
+        report.notes.append(
+            f"{backend}: the simulated step's parameter update took {h.secs(update.median)} "
+            f"median ({h.secs(row['bare']['update_max_s'])} at most) of its "
+            f"{config.step_ms:g} ms in the bare loop; the rest is a sleep"
+        )
+        failures = {x: row[x]["failures"] for x in config.policies if row[x]["failures"]}
+        if failures:
+            report.notes.append(
+                f"{backend}: failure events (PollFailed, PublishFailed, RoundFailed) per "
+                f"policy: {failures}"
+            )
+
+    report.data = {
+        "config": dataclasses.asdict(config) | {"steps": config.steps},
+        "summary": summary,
+        "learners": runs,
+        "errors": errors,
+    }
+    return report
+
+
+if __name__ == "__main__":
+    from bench.__main__ import main
+
+    sys.exit(main([NAME, *sys.argv[1:]]))
