@@ -8,10 +8,10 @@ training thread (at most one per fragment: a newer one merges the older).
 from __future__ import annotations
 
 import logging
-import time
 import os
 import re
 import socket
+import time
 from dataclasses import dataclass, field, replace
 
 import torch
