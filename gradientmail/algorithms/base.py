@@ -24,6 +24,8 @@ from typing import Any, Protocol, Self, runtime_checkable
 
 import torch
 
+from gradientmail.wire import TensorSpec
+
 __all__ = ["Algorithm", "Contribution", "Tensors"]
 
 Tensors = dict[str, torch.Tensor]
@@ -65,6 +67,11 @@ class Algorithm(Protocol):
 
     def split(self, names_and_sizes: Sequence[tuple[str, int]]) -> list[list[str]]:
         """Parameter names (in model order) grouped into ``fragments`` groups."""
+        ...
+
+    def state_specs(self, specs: Sequence[TensorSpec]) -> tuple[TensorSpec, ...]:
+        """The tensors of the state kept with a commit of a fragment laid out as ``specs``
+        (DiLoCo: one momentum tensor per tensor; a stateless algorithm: none)."""
         ...
 
     def combine(

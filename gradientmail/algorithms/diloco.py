@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from gradientmail.algorithms.base import register
+from gradientmail.wire import TensorSpec
 
 __all__ = ["BUFFER_MODES", "DiLoCo"]
 
@@ -141,6 +142,11 @@ class DiLoCo:
         return groups
 
     # -- the round ---------------------------------------------------------------------------
+
+    def state_specs(self, specs: Sequence[TensorSpec]) -> tuple[TensorSpec, ...]:
+        """The outer momentum: one float32-accumulated tensor per tensor of the fragment,
+        stored in the fragment's own dtypes and shapes (buffers' entries stay zero)."""
+        return tuple(specs)
 
     def combine(
         self,

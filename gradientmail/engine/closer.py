@@ -308,7 +308,10 @@ class RoundCloser:
             if cached is not None and cached[0] == base.momentum:
                 momentum = cached[1]
             else:
-                momentum = await retrying(partial(get_tensors, self.box, base.momentum, specs))
+                state_specs = self.algorithm.state_specs(specs)
+                momentum = await retrying(
+                    partial(get_tensors, self.box, base.momentum, state_specs)
+                )
         records = await asyncio.gather(*(retrying(partial(self.box.get, key)) for key in snaps))
         usable: list[tuple[str, p.Snapshot]] = []
         excluded: list[p.Exclusion] = []
@@ -390,10 +393,14 @@ class RoundCloser:
         # holds references the closer cannot see: they come from a pool that reuses a
         # buffer only once no tensor anywhere still refers to its storage (_buffers.py).
         params_out = self._params_out.take(fragment, base_params)
-        if taken is not None:
-            out = (params_out, taken[1])
-        else:
-            out = (params_out, {name: torch.empty_like(t) for name, t in params_out.items()})
+        out: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
+        if tuple(self.algorithm.state_specs(self.layout.specs[fragment])) == tuple(
+            self.layout.specs[fragment]
+        ):  # state shaped like the fragment (DiLoCo's momentum): written in place
+            if taken is not None:
+                out = (params_out, taken[1])
+            else:
+                out = (params_out, {name: torch.empty_like(t) for name, t in params_out.items()})
         params, new_momentum = self.algorithm.combine(
             base_params,
             momentum,

@@ -89,7 +89,8 @@ async def verify_commit(box: Mailbox, r: int, manifest: p.Manifest | None = None
     base_params = await retrying(partial(get_tensors, box, base.params, specs))
     momentum = None
     if base.momentum is not None:
-        momentum = await retrying(partial(get_tensors, box, base.momentum, specs))
+        state_specs = algorithm.state_specs(specs)
+        momentum = await retrying(partial(get_tensors, box, base.momentum, state_specs))
     contributions = []
     for c in commit.contributors:
         local = await retrying(partial(get_tensors, box, c.payload, specs))
