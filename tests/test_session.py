@@ -410,7 +410,7 @@ def test_the_syncer_looks_for_an_awaited_commit_at_most_an_eighth_of_its_wait_la
     """Simulated schedule: from a publish at 0, look at 25 ms, then after an eighth of the time
     waited so far, never more than poll_interval apart. A commit landing at any moment is
     seen within max(25 ms, an eighth of its latency) — bounded by poll_interval."""
-    from gradientmail.session import _poll_delay
+    from gradientmail.session._state import _poll_delay
 
     poll_interval = 0.5
     looks = [0.0]
