@@ -141,11 +141,11 @@ def test_overlap_zero_is_exact_diloco_bitwise(fragments: int) -> None:
     assert all(len(c.contributors) == 3 for c in training)
 
 
-class _SlowPuts(gm.Mailbox):
-    """Every put_if_absent takes ``delay`` seconds: fast steps against a slow store."""
+class _Wrapper(gm.Mailbox):
+    """Forwards every call to ``inner``; a fault wrapper overrides the ones it changes."""
 
-    def __init__(self, inner: gm.Mailbox, delay: float) -> None:
-        self.inner = SlowMailbox(inner, {"put_if_absent": delay})
+    def __init__(self, inner: gm.Mailbox) -> None:
+        self.inner = inner
 
     async def put_if_absent(self, key: str, data: bytes) -> bool:
         return await self.inner.put_if_absent(key, data)
@@ -158,6 +158,13 @@ class _SlowPuts(gm.Mailbox):
 
     async def delete(self, keys: Iterable[str]) -> None:
         await self.inner.delete(keys)
+
+
+class _SlowPuts(_Wrapper):
+    """Every put_if_absent takes ``delay`` seconds: fast steps against a slow store."""
+
+    def __init__(self, inner: gm.Mailbox, delay: float) -> None:
+        super().__init__(SlowMailbox(inner, {"put_if_absent": delay}))
 
 
 @pytest.mark.parametrize("overlap", [0, 3])
@@ -302,11 +309,11 @@ def test_staged_commits_stay_bounded_when_step_is_not_called() -> None:
         session._abandon()
 
 
-class _BlockedBlobs(gm.Mailbox):
+class _BlockedBlobs(_Wrapper):
     """Puts of payloads wait until ``released`` is set: a transfer longer than a lease."""
 
     def __init__(self, inner: gm.Mailbox) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.released = threading.Event()
         self.blocked = threading.Event()
 
@@ -316,15 +323,6 @@ class _BlockedBlobs(gm.Mailbox):
             while not self.released.is_set():
                 await asyncio.sleep(0.01)
         return await self.inner.put_if_absent(key, data)
-
-    async def get(self, key: str) -> bytes | None:
-        return await self.inner.get(key)
-
-    async def list(self, prefix: str, *, after: str = "") -> Sequence[str]:
-        return await self.inner.list(prefix, after=after)
-
-    async def delete(self, keys: Iterable[str]) -> None:
-        await self.inner.delete(keys)
 
 
 def test_beats_go_on_during_a_transfer_longer_than_the_lease() -> None:
@@ -364,27 +362,18 @@ def test_beats_go_on_during_a_transfer_longer_than_the_lease() -> None:
         session._abandon()
 
 
-class _FailingFragment(gm.Mailbox):
+class _FailingFragment(_Wrapper):
     """Downloads of one payload fail (not transiently) until ``healed`` is set."""
 
     def __init__(self, inner: gm.Mailbox) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.poisoned: set[str] = set()
         self.healed = threading.Event()
-
-    async def put_if_absent(self, key: str, data: bytes) -> bool:
-        return await self.inner.put_if_absent(key, data)
 
     async def get(self, key: str) -> bytes | None:
         if key in self.poisoned and not self.healed.is_set():
             raise gm.ProtocolError(f"{key}: injected unreadable payload")
         return await self.inner.get(key)
-
-    async def list(self, prefix: str, *, after: str = "") -> Sequence[str]:
-        return await self.inner.list(prefix, after=after)
-
-    async def delete(self, keys: Iterable[str]) -> None:
-        await self.inner.delete(keys)
 
 
 def test_one_fragments_failed_download_does_not_hold_back_the_other() -> None:
@@ -486,24 +475,15 @@ def test_unavailable_store_during_a_wait_is_bounded() -> None:
     """A wait for a commit that cannot come (the store refuses every write after the join)
     gives up after wait_timeout, reports it, and training goes on."""
 
-    class Down(gm.Mailbox):
+    class Down(_Wrapper):
         def __init__(self, inner: gm.Mailbox) -> None:
-            self.inner = inner
+            super().__init__(inner)
             self.down = False
 
         async def put_if_absent(self, key: str, data: bytes) -> bool:
             if self.down:
                 raise MailboxUnavailable("injected outage")
             return await self.inner.put_if_absent(key, data)
-
-        async def get(self, key: str) -> bytes | None:
-            return await self.inner.get(key)
-
-        async def list(self, prefix: str, *, after: str = "") -> Sequence[str]:
-            return await self.inner.list(prefix, after=after)
-
-        async def delete(self, keys: Iterable[str]) -> None:
-            await self.inner.delete(keys)
 
     box = Down(gm.MemoryMailbox())
     session = gm.Session(
