@@ -503,3 +503,79 @@ def test_unavailable_store_during_a_wait_is_bounded() -> None:
     finally:
         box.down = False
         session._abandon()
+
+
+def test_a_stray_key_under_rounds_wedges_nothing() -> None:
+    """A tool's temporary file or a console's folder marker under rounds/ is not a round:
+    running learners skip it (reported once), joiners and align ignore it."""
+    algorithm = gm.DiLoCo(sync_every=4, fragments=1)
+    box = gm.MemoryMailbox()
+    model = make_model()
+    session = gm.Session(model, algorithm=algorithm, mailbox=box, learner_id="a", **FAST)  # type: ignore[arg-type]
+    asyncio.run(box.put_if_absent("rounds/0000000099.tmp", b"{}"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(1, 13):
+        _train_step(model, opt, 0, step)
+        session.step(samples=8)
+    assert session.rounds == (3,)
+    joiner = gm.Session(make_model(3), algorithm=algorithm, mailbox=box, learner_id="b", **FAST)  # type: ignore[arg-type]
+    assert joiner.rounds == (3,)
+    joiner._abandon()
+    session.close()
+    stray = [e for e in session.events if isinstance(e, PollFailed) and ".tmp" in e.error]
+    assert len(stray) == 1
+    gm.align(make_model(4), mailbox=box)
+
+
+def test_an_unreadable_newest_commit_does_not_keep_joiners_out() -> None:
+    """The newest record of a fragment is truncated: a joiner and align load the commit
+    before it (reported), instead of failing every time."""
+    algorithm = gm.DiLoCo(sync_every=4, fragments=1)
+    box = gm.MemoryMailbox()
+    model = make_model()
+    with gm.Session(model, algorithm=algorithm, mailbox=box, learner_id="a", **FAST) as session:  # type: ignore[arg-type]
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        for step in range(1, 9):
+            _train_step(model, opt, 0, step)
+            session.step(samples=8)
+    assert [c.round for c in commits(box)] == [0, 1, 2]
+    asyncio.run(box.put_if_absent(p.round_key(3), b'{"format": 1, "rou'))
+    aligned = make_model(5)
+    assert gm.align(aligned, mailbox=box) == {0: 2}
+    joiner = gm.Session(make_model(6), algorithm=algorithm, mailbox=box, learner_id="b", **FAST)  # type: ignore[arg-type]
+    try:
+        assert joiner.rounds == (2,)
+    finally:
+        joiner._abandon()
+
+
+def test_a_learner_joining_mid_run_starts_with_the_fragment_whose_round_is_next() -> None:
+    """Rounds 0..4 exist (P = 2): the next round is 5, fragment 1's. A joiner's first sync
+    point is fragment 1's, after sync_every / P steps, so it joins the round the others
+    are in rather than waiting in another one for them (the two groups would each wait
+    for the other until round_timeout, round after round)."""
+    algorithm = gm.DiLoCo(sync_every=10, fragments=2)
+    box = gm.MemoryMailbox()
+    first = gm.Session(make_model(1), algorithm=algorithm, mailbox=box, learner_id="w", **FAST)  # type: ignore[arg-type]
+    base = commits(box)
+    for r in (2, 3, 4):
+        prev = base[r % 2]
+        _write_commit(
+            box,
+            p.Commit(
+                r, r % 2, r - 2, (p.Contribution("w", 1, prev.params),), prev.params, None, "w"
+            ),
+        )
+    first._abandon()
+    joiner = gm.Session(
+        make_model(2), algorithm=algorithm, mailbox=box, learner_id="j", free_running=True, **FAST
+    )  # type: ignore[arg-type]
+    try:
+        assert joiner.rounds == (4, 3)
+        for _ in range(5):
+            joiner.step()
+        pending = dict(joiner._inflight)
+        assert list(pending) == [1]
+        assert pending[1].round == 5
+    finally:
+        joiner._abandon()

@@ -222,17 +222,36 @@ def test_lost_responses_are_retried_without_protocol_errors(
     verify_all(mailbox)
 
 
-def test_corrupted_payload_and_truncated_record_are_detected() -> None:
+def test_corrupted_payload_and_truncated_record_are_detected(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A damaged newest commit is detected (hash, JSON) and reported; align (and a joiner)
+    load the fragment's commit before it instead, and say which round they loaded."""
     box = gm.MemoryMailbox()
     run_learners([Learner("a", 12)], box, ALGORITHM)
-    newest = commits(box)[-1]
+    found = commits(box)
+    newest = found[-1]
+    previous = max(c.round for c in found if c.fragment == newest.fragment and c is not newest)
     # Damage the stored objects behind the store's back (create-once forbids it through the API).
     box._objects[newest.params] = box._objects[newest.params][:-1] + b"\x00"
-    with pytest.raises(gm.PayloadCorrupt, match=newest.params):
-        gm.align(make_model(), mailbox=box)
+    with caplog.at_level("WARNING", logger="gradientmail"):
+        rounds = gm.align(make_model(), mailbox=box)
+    assert rounds[newest.fragment] == previous
+    assert "hash" in caplog.text or "PayloadCorrupt" in caplog.text or newest.params in caplog.text
     key = p.round_key(newest.round)
     box._objects[key] = box._objects[key][:20]
-    with pytest.raises(gm.ProtocolError, match=f"{key}: not valid JSON"):
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="gradientmail"):
+        rounds = gm.align(make_model(), mailbox=box)
+    assert rounds[newest.fragment] == previous
+    assert f"{key}" in caplog.text
+    assert "not valid JSON" in caplog.text
+    # Nothing loadable left for that fragment: a clear error naming each failure.
+    for c in found:
+        if c.fragment == newest.fragment:
+            k = p.round_key(c.round)
+            box._objects[k] = box._objects[k][:20]
+    with pytest.raises(gm.ProtocolError, match="none of its newest"):
         gm.align(make_model(), mailbox=box)
 
 

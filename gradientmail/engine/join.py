@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
@@ -50,7 +51,7 @@ from gradientmail.coord.election import abandoned
 from gradientmail.coord.leases import LeaseTracker
 from gradientmail.coord.retry import retrying
 from gradientmail.engine.layout import ModelLayout
-from gradientmail.errors import ProtocolError
+from gradientmail.errors import PayloadCorrupt, ProtocolError
 from gradientmail.mailbox import Mailbox
 from gradientmail.payload import get_tensors, put_tensors
 
@@ -58,6 +59,8 @@ __all__ = ["LEASE_TIMEOUT", "establish", "load_newest", "newest_per_fragment"]
 
 T = TypeVar("T")
 
+_log = logging.getLogger("gradientmail")
+_FALLBACK = 8  # older commits of a fragment tried when its newest cannot be loaded
 _POLL = 0.2
 LEASE_TIMEOUT = 15.0
 """How long a creator may show no sign of life before a joiner takes over (Session's default
@@ -310,10 +313,22 @@ async def establish(
     return await joiner.run()
 
 
+def round_keys(keys: Sequence[str]) -> list[int]:
+    """The round numbers of a listing of ``rounds/``, ascending; keys there that are not
+    round keys (a tool's temporary file, a console's folder marker) are left out, with a
+    warning."""
+    found: list[int] = []
+    for key in keys:
+        try:
+            found.append(p.parse_round_key(key))
+        except ProtocolError as exc:
+            _log.warning("ignoring %s: %s", key, exc)
+    return sorted(found)
+
+
 def newest_per_fragment(keys: Sequence[str], fragments: int) -> dict[int, int]:
     newest: dict[int, int] = {}
-    for key in keys:
-        r = p.parse_round_key(key)
+    for r in round_keys(keys):
         newest[r % fragments] = max(r, newest.get(r % fragments, -1))
     return newest
 
@@ -321,17 +336,38 @@ def newest_per_fragment(keys: Sequence[str], fragments: int) -> dict[int, int]:
 async def load_newest(
     box: Mailbox, layout: ModelLayout, deadline: float | None = None
 ) -> tuple[dict[int, int], dict[int, dict[str, torch.Tensor]]]:
-    """Download the newest commit of every fragment; return rounds and verified tensors."""
+    """Download the newest readable commit of every fragment; return rounds and verified
+    tensors. A newest record that cannot be read (truncated, malformed) is reported and the
+    one before it is used: one bad object must not keep every joiner (and align) out."""
     keys = await retrying(lambda: box.list(p.ROUNDS), deadline=deadline)
-    newest = newest_per_fragment(keys, layout.count)
-    missing = [f for f in range(layout.count) if f not in newest]
+    by_fragment: dict[int, list[int]] = {}
+    for r in sorted(round_keys(keys)):
+        by_fragment.setdefault(r % layout.count, []).append(r)
+    missing = [f for f in range(layout.count) if f not in by_fragment]
     if missing:
         raise ProtocolError(f"fragments {missing} have no commit yet; has the run been created?")
+    newest: dict[int, int] = {}
     tensors: dict[int, dict[str, torch.Tensor]] = {}
-    for fragment, r in newest.items():
-        key = p.round_key(r)
-        commit = p.decode_commit(key, await retrying(partial(box.get, key), deadline=deadline))
-        tensors[fragment] = await retrying(
-            partial(get_tensors, box, commit.params, layout.specs[fragment]), deadline=deadline
-        )
+    for fragment, rounds in sorted(by_fragment.items()):
+        failures: list[str] = []
+        for r in reversed(rounds[-_FALLBACK:]):
+            key = p.round_key(r)
+            try:
+                data = await retrying(partial(box.get, key), deadline=deadline)
+                commit = p.decode_commit(key, data)
+                values = await retrying(
+                    partial(get_tensors, box, commit.params, layout.specs[fragment]),
+                    deadline=deadline,
+                )
+            except (ProtocolError, PayloadCorrupt) as exc:
+                _log.warning("%s cannot be loaded (%s); trying the commit before it", key, exc)
+                failures.append(f"{key}: {exc}")
+                continue
+            newest[fragment], tensors[fragment] = r, values
+            break
+        else:
+            raise ProtocolError(
+                f"fragment {fragment}: none of its newest {len(failures)} commits can be "
+                "loaded: " + "; ".join(failures)
+            )
     return newest, tensors

@@ -270,13 +270,19 @@ class _Background:
         for key in keys:
             if key in self._bad:
                 continue
-            r = p.parse_round_key(key)
+            # Record by record: one unreadable record (or a stray key under rounds/, a
+            # tool's temporary file, a console's folder marker) is reported once and
+            # skipped; it must not stop this poll, or every later one, for every fragment.
+            try:
+                r = p.parse_round_key(key)
+            except ProtocolError as exc:
+                self._bad.add(key)
+                self._emit(PollFailed(self.learner_id, error=f"skipping a key: {exc}"))
+                continue
             fragment = r % self._fragments
             with self._lock:
                 if r <= self._known[fragment]:
                     continue
-            # Record by record: one unreadable record is reported once and skipped; it
-            # must not stop this poll (or every later one) for every fragment.
             try:
                 data = await retrying(partial(self._box.get, key), stop=self._stop)
                 commit = p.decode_commit(key, data)

@@ -193,6 +193,7 @@ class Session(_Background):
         self._due = {self.algorithm.offset(f): f for f in range(self._fragments)}
         # The local step at which step() must next wait for an in-flight commit (overlap).
         self._wait_at = _NEVER
+        self._phase = 0  # added to the step count for the schedule (see _schedule_phase)
         self._waiting_since: float | None = None  # when a wait in progress began
         # Fragment copies handed to the communication thread: one is in flight per fragment
         # at a time, so two sets per fragment suffice (a third would only pin memory).
@@ -253,7 +254,7 @@ class Session(_Background):
         self._samples += samples
         if self._steps >= self._wait_at:
             self._wait_due()
-        fragment = self._due.get(self._steps % self.algorithm.sync_every)
+        fragment = self._due.get((self._steps + self._phase) % self.algorithm.sync_every)
         if fragment is None:
             return
         self._sync_point(fragment)
@@ -333,6 +334,20 @@ class Session(_Background):
         return tuple(self._applied)
 
     # -- the training-thread side ------------------------------------------------------------
+
+    def _schedule_phase(self, rounds: dict[int, int]) -> int:
+        """Where this learner's sync schedule starts, so that its first contribution goes
+        to the round the others are in: the fragment whose next round comes first.
+
+        A learner that joins (or rejoins) a run in progress counts its steps from 0. Had it
+        started with fragment 0 whatever the run was doing, it could wait in fragment 0's
+        round for the others while they waited in fragment 1's round for it: with every
+        live learner awaited, both rounds then close only at ``round_timeout``, and the
+        two groups stay out of phase round after round. A fresh run (its next round is
+        fragment 0's) starts at phase 0, the plain schedule."""
+        first = min(range(self._fragments), key=lambda f: rounds[f] + self._fragments)
+        every = self.algorithm.sync_every
+        return (self.algorithm.offset(first) - self.algorithm.offset(0)) % every
 
     def _sync_point(self, fragment: int) -> None:
         """``fragment`` is due at this step: contribute it (waiting first if its previous
@@ -484,6 +499,7 @@ class Session(_Background):
             self._layout.load(fragment, values)
             self._ref[fragment] = values
             self._applied[fragment] = self._known[fragment] = rounds[fragment]
+        self._phase = self._schedule_phase(rounds)
         # A restarted learner continues its own beat numbers (its leaving beat of a
         # previous life removed first, or it would read as gone for good).
         await self._heartbeat.start(deadline=deadline)
