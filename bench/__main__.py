@@ -37,8 +37,20 @@ BENCHMARKS: dict[str, str] = {
     "idle": "bench.idle_cost",
     "scale": "bench.scale",
     "mailbox": "bench.mailbox",
+    "quality": "bench.quality",
+    "utilization": "bench.utilization",
 }
-DEFAULT = ["payload", "combine", "rounds", "step", "sync", "idle", "scale"]
+DEFAULT = [
+    "payload",
+    "combine",
+    "rounds",
+    "step",
+    "sync",
+    "idle",
+    "scale",
+    "quality",
+    "utilization",
+]
 
 
 def run_suite(
@@ -155,7 +167,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
         json_path = args.json or h.ROOT / "bench" / "results" / f"{stamp}.json"
     options: dict[str, Any] = {
-        "hivemind": {"python": args.hivemind_python, "disabled": args.no_hivemind}
+        "hivemind": {"python": args.hivemind_python, "disabled": args.no_hivemind},
+        # Where the record goes: benchmarks that write files beside it (quality's plot).
+        "json_path": str(json_path) if json_path is not None else None,
     }
     return run_suite(
         ordered, quick=args.quick, large=args.large, options=options, json_path=json_path

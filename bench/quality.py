@@ -1,0 +1,1276 @@
+"""Benchmark 8 — training quality on real text: does a GradientMail run learn the model the
+algorithm promises? Against data-parallel training and DiLoCo computed in one process with
+zero latency, in the same run.
+
+A small byte-level causal transformer LM (``_lm.py``) trains on the Python standard
+library's own ``.py`` sources: 5% held out for validation (mixing all sources), the rest in
+M = 4 non-IID shards by top-level package (the test suite; tools, GUIs and codec tables;
+other packages; single-file modules). Every arm sees the same samples, the same total T:
+
+- ``ddp``: one process, batch M·B for T/M steps (synchronous data-parallel over M workers);
+- ``reference``: DiLoCo in one process with zero latency: M model copies, the outer Nesterov
+  step through ``gm.DiLoCo.combine`` itself, Streaming DiLoCo's fragment schedule as the
+  library has it; at the end every fragment contributes its steps since its last sync point;
+- ``diloco``: M learner processes through ``gm.Session`` on a ``gm.FileMailbox`` (a
+  ``gm.Barrier`` until all joined, ``quorum_size=M``), ``DiLoCo(sync_every=H, fragments=F)``
+  for each H and F; evaluated as a user would: ``gm.align`` in a separate process after the
+  learners finished, and the loss curve from the run's commits;
+- ``diloco-fast``: the same with a tiny model whose steps take a few ms (its own ``ddp``,
+  ``reference`` and ``reference-late`` on that model);
+- ``diloco-s3``: the best ``diloco`` setting again on SeaweedFS;
+- ``reference-late``: the reference with each outer step applied N inner steps late, N the
+  commit lag the ``diloco`` arm measured, the local progress made meanwhile kept;
+- ``solo-average``: the M learners never syncing, averaged once at the end.
+
+Where ``gm.Session`` has an ``overlap`` setting, the ``diloco`` arms run with its default,
+and one more arm (H = the smallest, F = 1) on the other side of it: ``overlap=0`` (must
+match ``reference``) where the default overlaps, else ``overlap=H/5`` (must match
+``reference-late``; its gap to ``reference`` is the price of overlap).
+
+    .venv/bin/python -m bench quality [--quick | --large]
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import _harness as h
+from bench import _lm
+
+NAME = "quality"
+M = _lm.LEARNERS
+
+
+# -- presets ---------------------------------------------------------------------------------
+
+
+def sizes_for(ctx: h.Context) -> _lm.Sizes:
+    """The preset's sizes; ``ctx.options["quality"]["sizes"]`` (tests) overrides them."""
+    given = ctx.options.get("quality", {}).get("sizes")
+    if given is not None:
+        return given if isinstance(given, _lm.Sizes) else _lm.Sizes.from_json(given)
+    cores = os.cpu_count() or 2
+    tiny = _lm.ModelSize(d_model=32, layers=1, heads=2)
+    if ctx.quick:
+        return _lm.Sizes(
+            model=_lm.ModelSize(d_model=64, layers=2, heads=4),
+            fast_model=tiny,
+            batch=4,
+            steps=300,
+            fast_steps=300,
+            checkpoints=6,
+            eval_windows=256,
+            sync_every=(25,),
+            fragments=(1, 4),
+        )
+    if ctx.large:
+        return _lm.Sizes(
+            model=_lm.ModelSize(d_model=192, layers=4, heads=6),
+            fast_model=tiny,
+            batch=8,
+            steps=2400,
+            fast_steps=2400,
+            lr=1e-3,
+            checkpoints=10,
+            eval_windows=1024,
+            threads=max(1, cores // M),
+        )
+    return _lm.Sizes(
+        model=_lm.ModelSize(d_model=128, layers=2, heads=4),
+        fast_model=tiny,
+        batch=4,
+        steps=800,
+        fast_steps=800,
+    )
+
+
+# -- child processes -------------------------------------------------------------------------
+
+
+class JobFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class Job:
+    name: str
+    spec: dict[str, Any]
+    timeout: float
+    dir: Path
+    proc: subprocess.Popen[bytes] | None = None
+    started: float = 0.0
+    result: dict[str, Any] | None = None
+
+    @property
+    def out(self) -> Path:
+        return self.dir / f"{self.name}.out.json"
+
+    @property
+    def log(self) -> Path:
+        return self.dir / f"{self.name}.log"
+
+    def start(self, env: Mapping[str, str]) -> None:
+        spec = dict(self.spec, out=str(self.out))
+        path = self.dir / f"{self.name}.job.json"
+        path.write_text(json.dumps(spec))
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "bench._quality_worker", str(path)],
+                cwd=h.ROOT,
+                env=dict(env),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+        self.started = time.monotonic()
+
+    def finished(self) -> bool:
+        """True once the process exited (its result read) or was ended for its timeout."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            if time.monotonic() - self.started <= self.timeout:
+                return False
+            self.kill()
+            self.result = {"error": f"timed out after {self.timeout:.0f} s"}
+            return True
+        if self.result is None:
+            try:
+                self.result = json.loads(self.out.read_text())
+            except (OSError, ValueError):
+                self.result = {"error": f"exit status {self.proc.returncode}, no result"}
+            if self.proc.returncode != 0 and "error" not in self.result:
+                self.result["error"] = f"exit status {self.proc.returncode}"
+        return True
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            with suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=30)
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def value(self) -> dict[str, Any]:
+        assert self.result is not None
+        if "error" in self.result:
+            raise JobFailed(f"{self.name}: {self.result['error']}\n{self.tail()}")
+        return self.result
+
+
+def child_env(sizes: _lm.Sizes) -> dict[str, str]:
+    env = dict(os.environ)
+    paths = [str(h.ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(paths)  # the gradientmail beside this bench/
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env[name] = str(sizes.threads)
+    return env
+
+
+def run_pool(
+    jobs: Sequence[Job],
+    parallel: int,
+    env: Mapping[str, str],
+    on_done: Callable[[Job], None] = lambda _: None,
+) -> None:
+    """Run ``jobs``, ``parallel`` at a time; each is bounded by its own timeout."""
+    waiting = list(jobs)
+    running: list[Job] = []
+    try:
+        while waiting or running:
+            while waiting and len(running) < parallel:
+                job = waiting.pop(0)
+                job.start(env)
+                running.append(job)
+            time.sleep(0.2)
+            for job in [j for j in running if j.finished()]:
+                running.remove(job)
+                on_done(job)
+    finally:
+        for job in running:
+            job.kill()
+
+
+def run_together(jobs: Sequence[Job], env: Mapping[str, str], label: str) -> None:
+    """Start ``jobs`` at once (a run's learners); when one fails, end the others (they would
+    wait for it until their timeout). Bounded by the largest timeout."""
+    for job in jobs:
+        job.start(env)
+    next_note = time.monotonic() + 30
+    try:
+        while True:
+            done = [job.finished() for job in jobs]
+            failed = [
+                j for j, d in zip(jobs, done, strict=True) if d and "error" in (j.result or {})
+            ]
+            if failed or all(done):
+                break
+            if time.monotonic() >= next_note:
+                next_note = time.monotonic() + 30
+                last = jobs[0].tail(1).strip()
+                if last:
+                    h.progress(f"{label}: {last}")
+            time.sleep(0.2)
+    finally:
+        for job in jobs:
+            job.kill()
+    for job in jobs:
+        job.finished()
+
+
+# -- arms ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Arm:
+    """One row of the report."""
+
+    key: str
+    arm: str  # ddp, reference, diloco, ...
+    family: str  # main or fast
+    sync_every: int | None = None
+    fragments: int | None = None
+    overlap: int | None = None  # None: the library's default (or no such setting)
+    late: int | None = None
+    backend: str = ""
+    final_loss: float = math.nan
+    curve: list[tuple[int, float]] = field(default_factory=list)
+    wall_s: float = math.nan
+    error: str | None = None
+    data: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def setting(self) -> str:
+        parts = []
+        if self.sync_every is not None:
+            parts.append(f"H={self.sync_every}")
+        if self.fragments is not None:
+            parts.append(f"F={self.fragments}")
+        if self.overlap is not None:
+            parts.append(f"overlap={self.overlap}")
+        if self.late is not None:
+            parts.append(f"N={self.late}")
+        if self.backend:
+            parts.append(self.backend)
+        return " ".join(parts) or "-"
+
+    def label(self) -> str:
+        model = " (tiny)" if self.family == "fast" else ""
+        setting = self.setting
+        return f"{self.arm}{model}" + ("" if setting == "-" else f" {setting}")
+
+
+def _median(values: Sequence[float]) -> float:
+    return h.Stats.of(values).median
+
+
+class Bench:
+    def __init__(self, ctx: h.Context, sizes: _lm.Sizes) -> None:
+        self.ctx = ctx
+        self.sizes = sizes
+        self.dir = ctx.workdir / f"quality-{uuid.uuid4().hex[:6]}"
+        self.dir.mkdir(parents=True)
+        self.data = self.dir / "data.pt"
+        self.env = child_env(sizes)
+        self.parallel = max(1, (os.cpu_count() or 2) // sizes.threads)
+        self.arms: dict[str, Arm] = {}
+        self.params: dict[str, Path] = {}  # arm key -> its final parameters
+        self.timeout_scale = float(ctx.options.get("quality", {}).get("timeout_scale", 1.0))
+
+    # Timeouts: generous multiples of the expected time on a loaded 2-core machine.
+    def _train_timeout(self, family: str) -> float:
+        _, steps = self.sizes.family(family)
+        return self.timeout_scale * (300 + 1.5 * steps)
+
+    def inprocess_job(
+        self,
+        key: str,
+        arm: str,
+        family: str,
+        sync_every: int = 25,
+        fragments: int = 1,
+        late: int = 0,
+    ) -> Job:
+        save = self.dir / f"{key}.params.pt"
+        self.params[key] = save
+        spec = {
+            "mode": "inprocess",
+            "sizes": self.sizes.to_json(),
+            "data": str(self.data),
+            "arm": arm,
+            "family": family,
+            "sync_every": sync_every,
+            "fragments": fragments,
+            "late": late,
+            "tail": True,
+            "save": str(save),
+        }
+        return Job(key, spec, self._train_timeout(family) * (M + 1), self.dir)
+
+    def record_inprocess(self, job: Job, arm: Arm) -> None:
+        self.arms[arm.key] = arm
+        try:
+            value = job.value()
+        except JobFailed as exc:
+            arm.error = str(exc).splitlines()[0]
+            h.progress(f"{arm.label()}: FAILED {exc}")
+            return
+        arm.final_loss = float(value["final_loss"])
+        arm.curve = [(int(x), float(y)) for x, y in value["curve"]]
+        arm.wall_s = float(value["wall_s"])
+        arm.data = {
+            k: value[k]
+            for k in ("train_loss", "sync_points", "rounds", "extra", "gradientmail_file")
+        }
+        h.progress(f"{arm.label()}: validation loss {arm.final_loss:.4f} ({arm.wall_s:.0f} s)")
+
+    def run_inprocess(self, specs: Sequence[tuple[Arm, Job]]) -> None:
+        by_key = {job.name: arm for arm, job in specs}
+        for arm, _ in specs:
+            h.progress(f"{arm.label()}: queued ({self.parallel} at a time)")
+        run_pool(
+            [job for _, job in specs],
+            self.parallel,
+            self.env,
+            lambda job: self.record_inprocess(job, by_key[job.name]),
+        )
+
+    def run_diloco(self, arm: Arm, box: Callable[[], dict[str, Any]]) -> None:
+        """M learner processes on the mailbox ``box()`` describes, then ``gm.align``."""
+        self.arms[arm.key] = arm
+        assert arm.sync_every is not None
+        assert arm.fragments is not None
+        mailbox = box()
+        timeout = self._train_timeout(arm.family) * 2
+        learners = [
+            Job(
+                f"{arm.key}.learner-{i}",
+                {
+                    "mode": "learner",
+                    "sizes": self.sizes.to_json(),
+                    "data": str(self.data),
+                    "family": arm.family,
+                    "learner": i,
+                    "sync_every": arm.sync_every,
+                    "fragments": arm.fragments,
+                    "overlap": arm.overlap,
+                    "mailbox": mailbox,
+                    "timeout": timeout - 60,
+                },
+                timeout,
+                self.dir,
+            )
+            for i in range(M)
+        ]
+        h.progress(f"{arm.label()}: {M} learner processes on {arm.backend}")
+        t0 = time.monotonic()
+        run_together(learners, self.env, arm.label())
+        processes_s = time.monotonic() - t0
+        try:
+            results = [job.value() for job in learners]
+        except JobFailed as exc:
+            arm.error = str(exc).splitlines()[0]
+            arm.data["log"] = str(exc)
+            h.progress(f"{arm.label()}: FAILED {exc}")
+            return
+        save = self.dir / f"{arm.key}.params.pt"
+        self.params[arm.key] = save
+        evaluation = Job(
+            f"{arm.key}.evaluate",
+            {
+                "mode": "evaluate",
+                "sizes": self.sizes.to_json(),
+                "data": str(self.data),
+                "family": arm.family,
+                "fragments": arm.fragments,
+                "mailbox": mailbox,
+                "save": str(save),
+            },
+            self.timeout_scale * 600,
+            self.dir,
+        )
+        run_together([evaluation], self.env, f"{arm.label()} evaluation")
+        try:
+            ev = evaluation.value()
+        except JobFailed as exc:
+            arm.error = str(exc).splitlines()[0]
+            h.progress(f"{arm.label()}: evaluation FAILED {exc}")
+            return
+        arm.final_loss = float(ev["final_loss"])
+        arm.curve = [(int(x), float(y)) for x, y in ev.get("curve", [])]
+        arm.wall_s = max(r["train_s"] + r["close_s"] for r in results)
+        arm.data = summarize(results, ev, processes_s)
+        h.progress(
+            f"{arm.label()}: validation loss {arm.final_loss:.4f}, rounds "
+            f"{arm.data['rounds_committed']}/{arm.data['sync_points']}, skipped "
+            f"{arm.data['skipped']}, lag {arm.data['lag_steps_median']} steps "
+            f"({arm.wall_s:.0f} s)"
+        )
+
+    def file_box(self) -> dict[str, Any]:
+        return {"kind": "file", "root": str(self.dir / f"mailbox-{uuid.uuid4().hex[:6]}")}
+
+
+def summarize(
+    learners: Sequence[Mapping[str, Any]], ev: Mapping[str, Any], processes_s: float
+) -> dict[str, Any]:
+    """A diloco arm's numbers from its learners' and its evaluation's results."""
+
+    def counter(name: str) -> list[Any]:
+        return [r["counters"].get(name) for r in learners]
+
+    sync_points = [r["sync_points"] for r in learners]
+    counted = [c for c in counter("sync_points") if isinstance(c, int)]
+    rounds = ev.get("rounds", [])
+    lags = [x for r in learners for x in r["lag_steps"]]
+    lag_s = [x for r in learners for x in r["lag_s"] if not math.isnan(x)]
+    waited = [w for w in counter("waited_s") if isinstance(w, int | float)]
+    waits = [w for w in counter("waits") if isinstance(w, int)]
+    skipped = [s for s in counter("skipped_syncs") if isinstance(s, int)]
+    samples_trained = sum(r["samples"] for r in learners)
+    committed = ev.get("samples_committed") or []
+    return {
+        "learners": list(learners),
+        "evaluation": dict(ev),
+        "processes_s": processes_s,
+        "sync_points": max(sync_points),
+        "sync_points_counter": max(counted) if counted else None,
+        "rounds_committed": len(rounds),
+        "contributors_per_round": (
+            sum(r["contributors"] for r in rounds) / len(rounds) if rounds else math.nan
+        ),
+        "skipped": sum(skipped) if skipped else None,
+        "skipped_total_points": sum(sync_points),
+        "step_s_max": max(r["step_s"] for r in learners),
+        "step_max_s": max(r["step_max_s"] for r in learners),
+        "train_s_max": max(r["train_s"] for r in learners),
+        "waited_s": max(waited) if waited else None,
+        "waits": sum(waits) if waits else None,
+        "lag_steps": lags,
+        "lag_steps_median": _median(lags) if lags else None,
+        "lag_steps_max": max(lags) if lags else None,
+        "lag_s_median": _median(lag_s) if lag_s else None,
+        "bytes_up": _mean([r["counters"].get("bytes_up_total", math.nan) for r in learners]),
+        "bytes_down": _mean([r["counters"].get("bytes_down_total", math.nan) for r in learners]),
+        "samples_trained": samples_trained,
+        # Every round of a fragment accounts for all learners' samples since its last one.
+        "samples_in_final": min(committed) if committed else None,
+        "samples_committed": committed,
+        "failures": [f for r in learners for f in r["failures"]],
+        "gradientmail_file": learners[0].get("gradientmail_file"),
+        "align_equals_newest": ev.get("align_equals_newest"),
+        "curve_error": ev.get("curve_error"),
+    }
+
+
+def _mean(values: Sequence[float]) -> float:
+    good = [v for v in values if isinstance(v, int | float) and not math.isnan(v)]
+    return sum(good) / len(good) if good else math.nan
+
+
+# -- the run ---------------------------------------------------------------------------------
+
+
+def effective_overlap(arm: Arm, has_overlap: bool, default: Any) -> Any:
+    """The overlap an arm ran with: its own, else the library's default; None where the
+    library has no such setting (commits applied whenever they arrive)."""
+    if arm.overlap is not None:
+        return arm.overlap
+    return default if has_overlap else None
+
+
+def overlap_setting() -> tuple[bool, Any]:
+    """Whether ``gm.Session`` takes ``overlap``, and its default."""
+    import gradientmail as gm
+
+    params = inspect.signature(gm.Session).parameters
+    if "overlap" not in params:
+        return False, None
+    return True, params["overlap"].default
+
+
+def library_commit() -> dict[str, Any]:
+    """The git commit of the library this bench/ sits beside, and whether it is modified."""
+    out: dict[str, Any] = {}
+    for key, args in (
+        ("commit", ["rev-parse", "HEAD"]),
+        ("describe", ["describe", "--always", "--dirty"]),
+        ("library_changes", ["status", "--porcelain", "--", "gradientmail"]),
+    ):
+        try:
+            out[key] = subprocess.run(
+                ["git", *args], cwd=h.ROOT, capture_output=True, text=True, timeout=10, check=False
+            ).stdout.strip()
+        except (OSError, subprocess.SubprocessError) as exc:
+            out[key] = f"unknown: {exc}"
+    out["library_modified"] = bool(out.get("library_changes"))
+    return out
+
+
+@contextmanager
+def seaweedfs_box(workdir: Path) -> Iterator[Callable[[], dict[str, Any]]]:
+    from tests.support import s3servers
+
+    with s3servers.seaweedfs(workdir / "seaweedfs") as server:
+
+        def box() -> dict[str, Any]:
+            return {
+                "kind": "s3",
+                "bucket": server.bucket,
+                "prefix": f"quality-{uuid.uuid4().hex[:8]}",
+                "endpoint_url": server.endpoint_url,
+                "access_key": server.access_key,
+                "secret_key": server.secret_key,
+            }
+
+        yield box
+
+
+def run(ctx: h.Context) -> h.Report:
+    import torch
+
+    import gradientmail as gm
+
+    options = ctx.options.get("quality", {})
+    sizes = sizes_for(ctx)
+    bench = Bench(ctx, sizes)
+    report = h.Report(
+        NAME,
+        "8. Training quality on real text: GradientMail against DiLoCo in one process and DDP",
+        "`ddp` (synchronous data-parallel, batch M·B) and `reference` (the same DiLoCo in one "
+        "process with zero latency, `gm.DiLoCo.combine` itself), same samples, same run",
+    )
+    try:
+        _run(ctx, bench, report, options, sizes, gm, torch)
+    finally:
+        if not options.get("keep_workdir"):
+            shutil.rmtree(bench.dir, ignore_errors=True)
+    return report
+
+
+def _run(
+    ctx: h.Context,
+    bench: Bench,
+    report: h.Report,
+    options: Mapping[str, Any],
+    sizes: _lm.Sizes,
+    gm: Any,
+    torch: Any,
+) -> None:
+    started = time.monotonic()
+    h.progress("reading the standard library's sources")
+    corpus = _lm.build_corpus(sizes)
+    _lm.save_corpus(corpus, bench.data)
+    has_overlap, default_overlap = overlap_setting()
+    library = library_commit() | {"gradientmail_file": gm.__file__}
+    main_params = _lm.param_count(sizes.model, sizes.context)
+    fast_params = _lm.param_count(sizes.fast_model, sizes.context)
+    h.progress(
+        f"corpus: {corpus.files} files, {corpus.train_bytes / 1e6:.1f} MB train, "
+        f"{corpus.val_bytes / 1e6:.2f} MB held out; model {main_params / 1e6:.2f}M params, "
+        f"tiny {fast_params / 1e3:.0f}K; gradientmail {gm.__file__} "
+        f"({library.get('describe')}); overlap setting: "
+        f"{'yes, default ' + repr(default_overlap) if has_overlap else 'n/a'}"
+    )
+    hs = sorted(sizes.sync_every)
+    h_main = hs[0]
+    arms_filter: set[str] | None = set(options["arms"]) if options.get("arms") else None
+
+    def wanted(name: str) -> bool:
+        return arms_filter is None or name in arms_filter
+
+    # 1. The diloco arms, each alone on the machine (M learner processes).
+    diloco_arms: list[Arm] = []
+    for h_every in hs:
+        for f in sorted(sizes.fragments):
+            diloco_arms.append(
+                Arm(f"diloco-H{h_every}-F{f}", "diloco", "main", h_every, f, backend="file")
+            )
+    if has_overlap:
+        # The other side of the library's default: exact DiLoCo (overlap=0) where the default
+        # overlaps, else a run allowed to apply commits up to H/5 steps late (the price of
+        # overlap, against reference-late).
+        other = 0 if default_overlap != 0 else max(1, h_main // 5)
+        diloco_arms.append(
+            Arm(f"diloco-H{h_main}-F1-o{other}", "diloco", "main", h_main, 1, other, backend="file")
+        )
+    if wanted("diloco-fast"):
+        diloco_arms.append(Arm("diloco-fast", "diloco-fast", "fast", h_main, 1, backend="file"))
+    for arm in diloco_arms:
+        if wanted(arm.arm):
+            bench.run_diloco(arm, bench.file_box)
+
+    # 2. The arms computed in one process, a few at a time.
+    specs: list[tuple[Arm, Job]] = []
+
+    def add(arm: Arm, job: Job) -> None:
+        specs.append((arm, job))
+
+    for family in ("main", "fast"):
+        fast = family == "fast"
+        suffix = "-fast" if fast else ""
+        if wanted("ddp"):
+            add(
+                Arm(f"ddp{suffix}", "ddp", family),
+                bench.inprocess_job(f"ddp{suffix}", "ddp", family),
+            )
+        configs = [(h_main, 1)]
+        if not fast:
+            configs += [(x, f) for x in hs for f in sorted(sizes.fragments) if (x, f) != configs[0]]
+        for h_every, f in configs:
+            key = f"reference{suffix}-H{h_every}-F{f}"
+            if wanted("reference"):
+                add(
+                    Arm(key, "reference", family, h_every, f),
+                    bench.inprocess_job(key, "reference", family, h_every, f),
+                )
+        if not fast and wanted("solo-average"):
+            add(
+                Arm("solo-average", "solo-average", family),
+                bench.inprocess_job("solo-average", "solo-average", family),
+            )
+    for arm in diloco_arms:
+        done = bench.arms.get(arm.key)
+        if done is None or done.error or not wanted("reference-late"):
+            continue
+        if effective_overlap(arm, has_overlap, default_overlap) == 0:
+            continue  # exact DiLoCo: reference is its comparison
+        lag = done.data.get("lag_steps_median")
+        if lag is None:
+            continue
+        assert arm.sync_every is not None
+        assert arm.fragments is not None
+        n = min(round(lag), arm.sync_every - 1)
+        if n <= 0:
+            done.data["late_note"] = "lag 0 steps: reference-late is reference"
+            continue
+        key = f"reference-late-{arm.key}"
+        add(
+            Arm(key, "reference-late", arm.family, arm.sync_every, arm.fragments, late=n),
+            bench.inprocess_job(
+                key, "reference-late", arm.family, arm.sync_every, arm.fragments, n
+            ),
+        )
+    bench.run_inprocess(specs)
+
+    # 3. The best file setting again on SeaweedFS.
+    s3_arm: Arm | None = None
+    if wanted("diloco-s3") and options.get("s3", True):
+        candidates = [
+            a
+            for a in bench.arms.values()
+            if a.arm == "diloco" and not a.error and a.overlap is None
+        ]
+        if candidates:
+            best = min(candidates, key=lambda a: a.final_loss)
+            s3_arm = Arm(
+                "diloco-s3",
+                "diloco-s3",
+                "main",
+                best.sync_every,
+                best.fragments,
+                backend="seaweedfs",
+            )
+            try:
+                h.progress("starting SeaweedFS")
+                with seaweedfs_box(bench.dir) as box:
+                    bench.run_diloco(s3_arm, box)
+                    h.progress("stopping SeaweedFS")
+            except Exception as exc:
+                s3_arm.error = f"{type(exc).__name__}: {exc}"
+                bench.arms[s3_arm.key] = s3_arm
+                h.progress(f"diloco-s3: FAILED {s3_arm.error}")
+
+    compare_params(bench, torch)
+    build_report(
+        report,
+        bench,
+        corpus,
+        sizes,
+        library,
+        has_overlap,
+        default_overlap,
+        main_params,
+        fast_params,
+        time.monotonic() - started,
+    )
+    png = plot_path(ctx)
+    report.data["png"] = write_plot(bench, png, main_params, fast_params)
+
+
+def compare_params(bench: Bench, torch: Any) -> None:
+    """Max |aligned - reference| per GradientMail arm: is it the algorithm, bit for bit?"""
+    for arm in bench.arms.values():
+        if arm.family and arm.arm.startswith("diloco") and not arm.error:
+            suffix = "-fast" if arm.family == "fast" else ""
+            ref = f"reference{suffix}-H{arm.sync_every}-F{arm.fragments}"
+            a, b = bench.params.get(arm.key), bench.params.get(ref)
+            if a is None or b is None or not a.exists() or not b.exists():
+                continue
+            x, y = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
+            if set(x) != set(y):
+                continue
+            diff = max(float((x[n].float() - y[n].float()).abs().max()) for n in x)
+            arm.data["max_abs_diff_vs_reference"] = diff
+            arm.data["bitwise_reference"] = all(torch.equal(x[n], y[n]) for n in x)
+            late = bench.params.get(f"reference-late-{arm.key}")
+            if late is not None and late.exists():
+                z = torch.load(late, weights_only=True)
+                if set(z) == set(x):
+                    arm.data["max_abs_diff_vs_reference_late"] = max(
+                        float((x[n].float() - z[n].float()).abs().max()) for n in x
+                    )
+                    arm.data["bitwise_reference_late"] = all(torch.equal(x[n], z[n]) for n in x)
+
+
+# -- the report ------------------------------------------------------------------------------
+
+
+SPARK = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: Sequence[float], low: float, high: float) -> str:
+    if not values or math.isnan(low) or high <= low:
+        return ""
+    out = []
+    for v in values:
+        i = int((v - low) / (high - low) * (len(SPARK) - 1) + 0.5)
+        out.append(SPARK[max(0, min(len(SPARK) - 1, i))])
+    return "".join(out)
+
+
+def _pct(value: float, reference: float) -> str:
+    if math.isnan(value) or math.isnan(reference) or reference == 0:
+        return "-"
+    return f"{100 * (value / reference - 1):+.2f}%"
+
+
+def _num(value: Any, fmt: str = "{:.0f}") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return fmt.format(value)
+
+
+def build_report(
+    report: h.Report,
+    bench: Bench,
+    corpus: _lm.Corpus,
+    sizes: _lm.Sizes,
+    library: dict[str, Any],
+    has_overlap: bool,
+    default_overlap: Any,
+    main_params: int,
+    fast_params: int,
+    seconds: float,
+) -> None:
+    arms = bench.arms
+
+    def get(key: str) -> Arm | None:
+        arm = arms.get(key)
+        return arm if arm is not None and not arm.error else None
+
+    data_table = report.table(
+        f"Data: the stdlib's .py sources ({corpus.files} files, Python {corpus.python}), "
+        f"byte tokens, context {sizes.context}",
+        ["learner", "shard (non-IID)", "bytes", "files", "top-level names (largest first)"],
+        note=(
+            f"Validation: every {_lm.HOLDOUT}th block of {_lm.BLOCK} bytes across all files "
+            f"({corpus.val_bytes / 1e6:.2f} MB, "
+            f"{100 * corpus.val_bytes / (corpus.val_bytes + corpus.train_bytes):.1f}%), "
+            f"{sizes.eval_windows} fixed windows evaluated. Model: {main_params / 1e6:.2f}M "
+            f"params (d_model {sizes.model.d_model}, {sizes.model.layers} layers, "
+            f"{sizes.model.heads} heads), tiny {fast_params / 1e3:.0f}K (d_model "
+            f"{sizes.fast_model.d_model}, {sizes.fast_model.layers} layer); AdamW lr "
+            f"{sizes.lr:g}, warm-up 5% then cosine to 10%; B = {sizes.batch} per learner, "
+            f"T/M = {sizes.steps} local steps ({sizes.fast_steps} tiny), T = "
+            f"{M * sizes.batch * sizes.steps} samples; {sizes.threads} torch thread(s) per "
+            "process; seed "
+            f"{sizes.seed}."
+        ),
+    )
+    for src in corpus.sources:
+        names = src["top_level"]
+        shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
+        data_table.add(
+            _lm.learner_id(src["learner"]), src["what"], h.size(src["bytes"]), src["files"], shown
+        )
+
+    ddp = {fam: get("ddp" + ("-fast" if fam == "fast" else "")) for fam in ("main", "fast")}
+
+    def reference_of(arm: Arm) -> Arm | None:
+        suffix = "-fast" if arm.family == "fast" else ""
+        return get(f"reference{suffix}-H{arm.sync_every}-F{arm.fragments}")
+
+    def late_of(arm: Arm) -> Arm | None:
+        key = arm.key if arm.arm != "diloco-s3" else _file_twin(arms, arm)
+        return get(f"reference-late-{key}") if key else None
+
+    quality = report.table(
+        "Validation loss per arm (nats per byte; lower is better)",
+        [
+            "arm",
+            "model",
+            "setting",
+            "final loss",
+            "ratio to ddp",
+            "vs reference",
+            "vs reference-late",
+            "curve",
+            "wall (training)",
+        ],
+        note=(
+            "`vs reference`: against DiLoCo in one process with the same H and F; "
+            "`vs reference-late`: against the same applied N steps late (N = the arm's "
+            "median commit lag). GradientMail arms are evaluated as a user would: `gm.align` "
+            "in a separate process after the learners finished. The reference contributes "
+            "each fragment's steps since its last sync point at the end (what `close()` is "
+            "specified to do). Wall: training time (in-process arms ran "
+            f"{bench.parallel} at a time, evaluation excluded; diloco arms: the slowest "
+            "learner's training and close)."
+        ),
+    )
+    order = ["ddp", "reference", "diloco", "diloco-s3", "reference-late", "solo-average"]
+    ordered = sorted(
+        arms.values(),
+        key=lambda a: (
+            a.family == "fast",
+            order.index(a.arm) if a.arm in order else 2,
+            a.sync_every or 0,
+            a.fragments or 0,
+            a.overlap if a.overlap is not None else -1,
+        ),
+    )
+    lows: dict[str, float] = {}
+    highs: dict[str, float] = {}
+    for a in ordered:  # one scale per model, the first checkpoint left out (it dwarfs the rest)
+        for _, y in a.curve[1:] or a.curve:
+            lows[a.family] = min(lows.get(a.family, math.inf), y)
+            highs[a.family] = max(highs.get(a.family, -math.inf), y)
+    rows = []
+    for a in ordered:
+        ref = reference_of(a) if a.arm != "reference" else None
+        late = late_of(a) if a.arm.startswith("diloco") else None
+        d = ddp[a.family]
+        row = {
+            "key": a.key,
+            "arm": a.arm,
+            "family": a.family,
+            "setting": a.setting,
+            "sync_every": a.sync_every,
+            "fragments": a.fragments,
+            "overlap": a.overlap,
+            "late": a.late,
+            "backend": a.backend,
+            "final_loss": a.final_loss,
+            "ratio_to_ddp": a.final_loss / d.final_loss if d else None,
+            "vs_reference": a.final_loss / ref.final_loss - 1 if ref else None,
+            "vs_reference_late": a.final_loss / late.final_loss - 1 if late else None,
+            "curve": a.curve,
+            "wall_s": a.wall_s,
+            "error": a.error,
+            "data": {k: v for k, v in a.data.items() if k not in ("learners", "evaluation")},
+            "learners": a.data.get("learners"),
+            "evaluation": a.data.get("evaluation"),
+        }
+        rows.append(row)
+        if a.error:
+            quality.add(a.arm, a.family, a.setting, f"ERROR: {a.error}", "", "", "", "", "")
+            continue
+        quality.add(
+            a.arm + (" (exact)" if a.overlap == 0 else ""),
+            f"tiny {fast_params / 1e3:.0f}K" if a.family == "fast" else f"{main_params / 1e6:.2f}M",
+            a.setting,
+            f"{a.final_loss:.4f}",
+            h.ratio(a.final_loss, d.final_loss, 3) if d else "-",
+            _pct(a.final_loss, ref.final_loss) if ref and a is not ref else "-",
+            _pct(a.final_loss, late.final_loss) if late else "-",
+            sparkline(
+                [y for _, y in a.curve], lows.get(a.family, math.nan), highs.get(a.family, math.nan)
+            ),
+            h.secs(a.wall_s),
+        )
+
+    sync = report.table(
+        "GradientMail arms: rounds, waiting, lag, traffic (per learner unless said)",
+        [
+            "arm",
+            "setting",
+            "rounds committed / sync points",
+            "contributors / round",
+            "sync points skipped (all learners)",
+            "time in step()",
+            "step() waited (counter)",
+            "commit lag: steps (median, max)",
+            "commit lag: s",
+            "up / learner",
+            "down / learner",
+            "samples in final model",
+            "= reference bitwise",
+        ],
+        note=(
+            "Sync points: due steps a learner reached (each should commit one round). "
+            "Time in step(): the slowest learner's total time inside `session.step()` "
+            "(measured around the calls); `step() waited`: `Counters.waited_s` (n/a where "
+            "the library has no such counter). Commit lag: inner steps from a learner's "
+            "snapshot to the step() call that applied its round (0 = exact DiLoCo). Samples "
+            "in final model: the fewest samples any fragment's commits account for, against "
+            "the samples trained. Bitwise: the aligned model "
+            "against `reference`'s final parameters (max |difference| otherwise), and against "
+            "`reference-late`'s where there is one."
+        ),
+    )
+    for a in ordered:
+        if not a.arm.startswith("diloco") or a.error:
+            continue
+        info = a.data
+        skipped = info.get("skipped")
+        bitwise = info.get("bitwise_reference")
+        sync.add(
+            a.arm + (" (tiny)" if a.family == "fast" else ""),
+            a.setting,
+            f"{info['rounds_committed']} / {info['sync_points']}"
+            + (
+                f" (counter {info['sync_points_counter']})"
+                if info.get("sync_points_counter")
+                else ""
+            ),
+            _num(info.get("contributors_per_round"), "{:.2f}"),
+            f"{skipped} of {info['skipped_total_points']}" if skipped is not None else "n/a",
+            h.secs(info["step_s_max"]),
+            h.secs(info["waited_s"]) if info.get("waited_s") is not None else "n/a",
+            f"{_num(info.get('lag_steps_median'), '{:.0f}')}, {_num(info.get('lag_steps_max'))}",
+            h.secs(info["lag_s_median"]) if info.get("lag_s_median") is not None else "n/a",
+            h.size(info["bytes_up"]),
+            h.size(info["bytes_down"]),
+            (
+                f"{info['samples_in_final']} / {info['samples_trained']}"
+                if info.get("samples_in_final") is not None
+                else "n/a"
+            ),
+            (
+                "yes"
+                if bitwise
+                else f"no ({info['max_abs_diff_vs_reference']:.2g})"
+                if bitwise is not None
+                else "-"
+            )
+            + (
+                ""
+                if info.get("bitwise_reference_late") is None
+                else "; = reference-late: yes"
+                if info["bitwise_reference_late"]
+                else f"; vs reference-late {info['max_abs_diff_vs_reference_late']:.2g}"
+            ),
+        )
+
+    checkpoints = sorted({x for a in ordered for x, _ in a.curve if a.family == "main"})
+    if checkpoints:
+        curve = report.table(
+            f"Loss curve: validation loss against samples seen (model of {main_params / 1e6:.2f}M)",
+            ["arm", "setting", *[f"{x / 1000:.1f}K" for x in checkpoints]],
+            note=(
+                "GradientMail arms: the model of each fragment's newest commit at or before "
+                "the checkpoint (samples committed)."
+            ),
+        )
+        for a in ordered:
+            if a.family != "main" or a.error:
+                continue
+            ys = dict(a.curve)
+            curve.add(a.arm, a.setting, *[f"{ys[x]:.3f}" if x in ys else "" for x in checkpoints])
+
+    targets(report, bench, ordered, has_overlap, default_overlap, reference_of, late_of, ddp)
+    report.data.update(
+        {
+            "sizes": sizes.to_json(),
+            "corpus": corpus.describe(),
+            "params": {"main": main_params, "fast": fast_params},
+            "library": library,
+            "overlap_setting": {"present": has_overlap, "default": repr(default_overlap)},
+            "arms": rows,
+            "seconds": round(seconds, 1),
+        }
+    )
+    report.notes.append(
+        f"gradientmail measured: {library.get('gradientmail_file')} at "
+        f"{library.get('describe')}"
+        + (" (library files modified)" if library.get("library_modified") else "")
+        + f"; `overlap` setting: {'default ' + repr(default_overlap) if has_overlap else 'n/a'}"
+    )
+    for a in ordered:
+        if a.data.get("failures"):
+            report.notes.append(
+                f"{a.label()}: {len(a.data['failures'])} failure events, "
+                f"first: {a.data['failures'][0]}"
+            )
+        if a.data.get("curve_error"):
+            report.notes.append(f"{a.label()}: no loss curve ({a.data['curve_error']})")
+        if a.data.get("align_equals_newest") is False:
+            report.notes.append(
+                f"{a.label()}: gm.align loaded something other than the newest commits"
+            )
+
+
+def _file_twin(arms: Mapping[str, Arm], arm: Arm) -> str | None:
+    """The file-mailbox diloco arm of the same setting as ``arm``."""
+    for other in arms.values():
+        if (
+            other.arm == "diloco"
+            and other.overlap is None
+            and (other.sync_every, other.fragments) == (arm.sync_every, arm.fragments)
+        ):
+            return other.key
+    return None
+
+
+def targets(
+    report: h.Report,
+    bench: Bench,
+    ordered: Sequence[Arm],
+    has_overlap: bool,
+    default_overlap: Any,
+    reference_of: Callable[[Arm], Arm | None],
+    late_of: Callable[[Arm], Arm | None],
+    ddp: Mapping[str, Arm | None],
+) -> None:
+    gm_arms = [a for a in ordered if a.arm.startswith("diloco") and not a.error]
+    for a in ordered:
+        if a.arm.startswith("diloco") and a.error:
+            report.target(f"{a.label()} ran", "failed", "runs", False, a.error)
+    exact = [a for a in gm_arms if effective_overlap(a, has_overlap, default_overlap) == 0]
+    free = [a for a in gm_arms if a not in exact]
+    # Without overlap: every diloco arm equals reference. Before the setting exists, every
+    # arm is measured against it (the issue: "until then, measure what exists").
+    for a in exact if has_overlap else gm_arms:
+        ref = reference_of(a)
+        if ref is None:
+            continue
+        gap = a.final_loss / ref.final_loss - 1
+        bit = a.data.get("bitwise_reference")
+        why = ""
+        if not has_overlap:
+            why = (
+                "this library has no `overlap` setting: commits are applied whenever they "
+                f"arrive (median lag {_num(a.data.get('lag_steps_median'))} steps) and "
+                f"{a.data.get('skipped') or 0} sync points were skipped"
+            )
+        elif abs(gap) > 0.005:
+            why = "see rounds, skips and lag in the table above"
+        report.target(
+            f"{a.label()} = reference (no overlap)",
+            f"{100 * gap:+.2f}%" + (", bitwise" if bit else ""),
+            "within ±0.5%",
+            abs(gap) <= 0.005,
+            why,
+        )
+    for a in free:
+        late = late_of(a)
+        ref = reference_of(a)
+        if late is None:
+            lag = a.data.get("lag_steps_median")
+            report.target(
+                f"{a.label()} = reference-late",
+                "not run",
+                "within ±0.5%",
+                None,
+                f"median lag {_num(lag)} steps: no reference-late to compare with",
+            )
+            continue
+        gap = a.final_loss / late.final_loss - 1
+        price = (
+            f"; price of overlap vs reference {_pct(late.final_loss, ref.final_loss)}"
+            if ref
+            else ""
+        )
+        if a.arm == "diloco-s3":
+            price += (
+                "; N from the file arm (this arm's median lag "
+                f"{_num(a.data.get('lag_steps_median'))} steps)"
+            )
+        report.target(
+            f"{a.label()} = reference-late (N={late.late})",
+            f"{100 * gap:+.2f}%",
+            "within ±0.5%",
+            abs(gap) <= 0.005,
+            f"skipped {a.data.get('skipped') or 0} sync points{price}",
+        )
+    # solo-average at least 5% worse than reference (the main one).
+    solo = next((a for a in ordered if a.arm == "solo-average" and not a.error), None)
+    main_ref = next(
+        (
+            a
+            for a in ordered
+            if a.arm == "reference" and a.family == "main" and a.fragments == 1 and not a.error
+        ),
+        None,
+    )
+    if solo and main_ref:
+        gap = solo.final_loss / main_ref.final_loss - 1
+        report.target(
+            f"solo-average worse than reference {main_ref.setting}",
+            f"{100 * gap:+.2f}%",
+            ">= +5%",
+            gap >= 0.05,
+            ""
+            if gap >= 0.05
+            else "the shards are too alike or the run too short to tell syncing from not",
+        )
+    # Rounds committed against sync points reached.
+    for a in gm_arms:
+        d = a.data
+        points = d.get("sync_points_counter") or d["sync_points"]
+        share = d["rounds_committed"] / points if points else math.nan
+        report.target(
+            f"{a.label()}: rounds committed / sync points",
+            f"{d['rounds_committed']} / {points} ({100 * share:.0f}%)",
+            ">= 95%",
+            share >= 0.95,
+            "" if share >= 0.95 else f"{d.get('skipped') or 0} sync points skipped across learners",
+        )
+    # Streaming: fragments 4 within 1% of fragments 1.
+    for a in gm_arms:
+        if a.arm != "diloco" or a.fragments == 1 or a.overlap is not None:
+            continue
+        one = next(
+            (
+                b
+                for b in gm_arms
+                if b.arm == "diloco"
+                and b.fragments == 1
+                and b.sync_every == a.sync_every
+                and b.overlap is None
+            ),
+            None,
+        )
+        if one is None:
+            continue
+        gap = a.final_loss / one.final_loss - 1
+        report.target(
+            f"diloco H={a.sync_every}: fragments {a.fragments} vs fragments 1",
+            f"{100 * gap:+.2f}%",
+            "within ±1%",
+            abs(gap) <= 0.01,
+            "" if abs(gap) <= 0.01 else _streaming_why(a),
+        )
+    # The algorithm's own gap at this scale (reported, not a target).
+    for a in ordered:
+        base = ddp.get(a.family)
+        if a.arm == "reference" and base and not a.error:
+            report.notes.append(
+                f"reference {a.setting}{' (tiny)' if a.family == 'fast' else ''} against ddp: "
+                f"{_pct(a.final_loss, base.final_loss)} (the algorithm's own gap at this scale)"
+            )
+
+
+def _streaming_why(a: Arm) -> str:
+    d = a.data
+    if d.get("samples_in_final") is not None and d["samples_in_final"] < d["samples_trained"]:
+        lost = 1 - d["samples_in_final"] / d["samples_trained"]
+        return (
+            f"the final model misses up to {100 * lost:.0f}% of the samples trained "
+            "(tails not contributed)"
+        )
+    return "see the loss curve"
+
+
+# -- the plot --------------------------------------------------------------------------------
+
+
+def plot_path(ctx: h.Context) -> Path:
+    given = ctx.options.get("json_path")
+    if given:
+        path = Path(given)
+        stem = path.stem if path.stem.startswith("quality") else f"{path.stem}-quality"
+        return path.with_name(stem + ".png")
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    return h.ROOT / "bench" / "results" / f"quality-{stamp}.png"
+
+
+def write_plot(bench: Bench, path: Path, main_params: int, fast_params: int) -> str:
+    """The loss curves as a PNG; without matplotlib, say why instead."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        h.progress(f"no plot: {exc} (pip install matplotlib)")
+        return f"not written: {exc}"
+    arms = [a for a in bench.arms.values() if a.curve and not a.error]
+    # One panel per model and H; ddp and solo-average (no H) appear in every panel of their
+    # model. Colour: the arm; line: the fragments.
+    panels = sorted(
+        {(a.family, a.sync_every) for a in arms if a.sync_every is not None},
+        key=lambda p: (p[0] == "fast", p[1] or 0),
+    )
+    if not panels:
+        return "not written: no curves"
+    colours = {
+        "ddp": "black",
+        "solo-average": "tab:gray",
+        "reference": "tab:blue",
+        "diloco": "tab:orange",
+        "diloco-fast": "tab:orange",
+        "diloco-s3": "tab:purple",
+        "reference-late": "tab:green",
+    }
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.8), squeeze=False)
+    for ax, (family, h_every) in zip(axes[0], panels, strict=True):
+        shown = [
+            a
+            for a in arms
+            if a.family == family and (a.sync_every is None or a.sync_every == h_every)
+        ]
+        tops = []
+        for a in sorted(
+            shown, key=lambda a: (list(colours).index(a.arm) if a.arm in colours else 9, a.key)
+        ):
+            xs = [x / 1000 for x, _ in a.curve]
+            ys = [y for _, y in a.curve]
+            tops += ys[1:] or ys
+            exact = a.overlap == 0
+            ax.plot(
+                xs,
+                ys,
+                color="tab:red" if exact else colours.get(a.arm, "tab:brown"),
+                linestyle="--" if (a.fragments or 1) > 1 else "-",
+                marker="o",
+                markersize=3,
+                label=a.label(),
+                alpha=0.85,
+            )
+        if tops:  # the first checkpoint (an H=100 run's initial model) would dwarf the rest
+            low, high = min(tops), max(tops)
+            ax.set_ylim(low - 0.05 * (high - low) - 0.01, high + 0.15 * (high - low) + 0.01)
+        size = f"{main_params / 1e6:.2f}M" if family == "main" else f"tiny {fast_params / 1e3:.0f}K"
+        ax.set_title(f"model {size}, H={h_every} (dashed: F>1)")
+        ax.set_xlabel("samples seen (thousands)")
+        ax.set_ylabel("validation loss (nats per byte)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    h.progress(f"plot: {path}")
+    return str(path)
