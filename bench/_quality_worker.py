@@ -126,6 +126,8 @@ def learner(job: Mapping[str, Any]) -> dict[str, Any]:
     }
     if overlap is not None:
         kwargs["overlap"] = overlap
+    if job.get("mixing") is not None:
+        kwargs["mixing"] = float(job["mixing"])
     deadline = time.monotonic() + float(job["timeout"])
     joined_at = time.monotonic()
     session = gm.Session(model, **kwargs)

@@ -252,6 +252,7 @@ class Arm:
     fragments: int | None = None
     overlap: int | None = None  # None: the library's default (or no such setting)
     late: int | None = None
+    mixing: float | None = None  # Streaming DiLoCo's blend of a late commit (None: rebase)
     backend: str = ""
     final_loss: float = math.nan
     curve: list[tuple[int, float]] = field(default_factory=list)
@@ -268,6 +269,8 @@ class Arm:
             parts.append(f"F={self.fragments}")
         if self.overlap is not None:
             parts.append(f"overlap={self.overlap}")
+        if self.mixing is not None:
+            parts.append(f"mixing={self.mixing}")
         if self.late is not None:
             parts.append(f"N={self.late}")
         if self.backend:
@@ -374,6 +377,7 @@ class Bench:
                     "sync_every": arm.sync_every,
                     "fragments": arm.fragments,
                     "overlap": arm.overlap,
+                    "mixing": arm.mixing,
                     "mailbox": mailbox,
                     "timeout": timeout - 60,
                 },
@@ -499,6 +503,15 @@ def effective_overlap(arm: Arm, has_overlap: bool, default: Any) -> Any:
     return default if has_overlap else None
 
 
+def has_mixing() -> bool:
+    """Whether ``gm.Session`` takes ``mixing`` (Streaming DiLoCo's blend)."""
+    import inspect as _inspect
+
+    import gradientmail as gm
+
+    return "mixing" in _inspect.signature(gm.Session).parameters
+
+
 def overlap_setting() -> tuple[bool, Any]:
     """Whether ``gm.Session`` takes ``overlap``, and its default."""
     import gradientmail as gm
@@ -614,6 +627,23 @@ def _run(
         diloco_arms.append(
             Arm(f"diloco-H{h_main}-F1-o{other}", "diloco", "main", h_main, 1, other, backend="file")
         )
+        if has_mixing():
+            # The same overlap with Streaming DiLoCo's blend (param <- a*param + (1-a)*commit)
+            # instead of keeping all local progress: the literature's way to cut its price.
+            late = max(1, h_main // 5)
+            for alpha in (0.5,):
+                diloco_arms.append(
+                    Arm(
+                        f"diloco-H{h_main}-F1-o{late}-a{alpha}",
+                        "diloco",
+                        "main",
+                        h_main,
+                        1,
+                        late,
+                        backend="file",
+                        mixing=alpha,
+                    )
+                )
     if wanted("diloco-fast"):
         diloco_arms.append(Arm("diloco-fast", "diloco-fast", "fast", h_main, 1, backend="file"))
     for arm in diloco_arms:
@@ -655,6 +685,8 @@ def _run(
             continue
         if effective_overlap(arm, has_overlap, default_overlap) == 0:
             continue  # exact DiLoCo: reference is its comparison
+        if arm.mixing is not None:
+            continue  # a blend: reference is its comparison (the price of its overlap)
         lag = done.data.get("lag_steps_median")
         if lag is None:
             continue
@@ -679,7 +711,7 @@ def _run(
         candidates = [
             a
             for a in bench.arms.values()
-            if a.arm == "diloco" and not a.error and a.overlap is None
+            if a.arm == "diloco" and not a.error and a.overlap is None and a.mixing is None
         ]
         if candidates:
             best = min(candidates, key=lambda a: a.final_loss)

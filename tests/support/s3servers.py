@@ -61,11 +61,13 @@ __all__ = [
     "DEFAULT_ACCESS_KEY",
     "DEFAULT_SECRET_KEY",
     "REGION",
+    "RestartableSeaweedFS",
     "S3Server",
     "ServerStartError",
     "endpoint_env",
     "main",
     "moto",
+    "restartable_seaweedfs",
     "seaweedfs",
 ]
 
@@ -393,72 +395,194 @@ def _start_seaweedfs(
     cancel: threading.Event,
 ) -> _Running:
     weed = _venv_bin("weed")
-    workdir = workdir.absolute()  # weed runs with cwd=workdir
-    workdir.mkdir(parents=True, exist_ok=True)
-    data = workdir / "data"
-    data.mkdir(exist_ok=True)
-    s3_config = workdir / "s3.json"
-    _write_s3_config(s3_config, access_key, secret_key)
+    workdir = _seaweedfs_workdir(workdir, access_key, secret_key)
 
     def make() -> tuple[list[str], S3Server, Callable[[], None] | None]:
-        services = ("s3", "master", "volume", "filer", "admin")
-        ports = _free_ports(2 * len(services))
-        http = dict(zip(services, ports[: len(services)], strict=True))
-        grpc = dict(zip(services, ports[len(services) :], strict=True))
-        # Unix sockets: the two with a flag go to a short private dir (sun_path is limited to
-        # 108 bytes, so not under workdir); the gRPC ones are always
-        # /tmp/seaweedfs-<service>-grpc-<port>.sock, removed by cleanup() when stale.
-        sockets = Path(tempfile.mkdtemp(prefix="gm-weed-", dir="/tmp"))
-        argv = [
-            weed,
-            "-logtostderr",  # glog into our log file, not /tmp/weed.*
-            "mini",
-            f"-dir={data}",
-            "-ip=127.0.0.1",
-            "-ip.bind=127.0.0.1",
-            f"-s3.port={http['s3']}",
-            f"-s3.port.grpc={grpc['s3']}",
-            f"-s3.config={s3_config}",
-            # AWS behaviour instead of weed's defaults: no bucket appears on a PUT into a
-            # missing bucket, and deleting a non-empty bucket fails with BucketNotEmpty.
-            "-s3.autoCreateBucket=false",
-            "-s3.allowDeleteBucketNotEmpty=false",
-            "-s3.port.iceberg=0",
-            "-s3.port.lance=0",
-            f"-s3.localSocket={sockets / 's3.sock'}",
-            f"-master.port={http['master']}",
-            f"-master.port.grpc={grpc['master']}",
-            "-master.telemetry=false",
-            f"-volume.port={http['volume']}",
-            f"-volume.port.grpc={grpc['volume']}",
-            f"-filer.port={http['filer']}",
-            f"-filer.port.grpc={grpc['filer']}",
-            f"-filer.localSocket={sockets / 'filer.sock'}",
-            "-admin.ui=false",
-            # The admin server listens even with -admin.ui=false.
-            f"-admin.port={http['admin']}",
-            f"-admin.port.grpc={grpc['admin']}",
-            "-webdav=false",
-        ]
-        server = S3Server(
-            name="seaweedfs",
-            endpoint_url=f"http://127.0.0.1:{http['s3']}",
-            bucket=bucket,
-            access_key=access_key,
-            secret_key=secret_key,
-            region=REGION,
-        )
-
-        def cleanup() -> None:
-            shutil.rmtree(sockets, ignore_errors=True)
-            # weed does not always remove its gRPC sockets, even on a clean exit.
-            for port in grpc.values():
-                for path in glob.glob(f"/tmp/seaweedfs-*-grpc-{port}.sock"):
-                    _remove_stale_socket(path)
-
-        return argv, server, cleanup
+        return _seaweedfs_command(weed, workdir, bucket, access_key, secret_key)
 
     return _launch("seaweedfs", workdir, make, start_timeout, cancel)
+
+
+_WEED_SERVICES = ("s3", "master", "volume", "filer", "admin")
+
+
+def _seaweedfs_workdir(workdir: Path, access_key: str, secret_key: str) -> Path:
+    """Create ``workdir`` (absolute: weed runs with cwd=workdir), its data dir and s3.json."""
+    workdir = workdir.absolute()
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "data").mkdir(exist_ok=True)
+    _write_s3_config(workdir / "s3.json", access_key, secret_key)
+    return workdir
+
+
+def _seaweedfs_command(
+    weed: str,
+    workdir: Path,
+    bucket: str,
+    access_key: str,
+    secret_key: str,
+    ports: Sequence[int] | None = None,
+    sockets: Path | None = None,
+) -> tuple[list[str], S3Server, Callable[[], None] | None]:
+    """``weed mini``'s command line, the server it will be and its cleanup. Fresh ports and
+    a fresh socket dir unless ``ports`` (http ports then gRPC ports, one per service of
+    ``_WEED_SERVICES``) and ``sockets`` are given (a restart on the same addresses)."""
+    services = _WEED_SERVICES
+    if ports is None:
+        ports = _free_ports(2 * len(services))
+    http = dict(zip(services, ports[: len(services)], strict=True))
+    grpc = dict(zip(services, ports[len(services) :], strict=True))
+    # Unix sockets: the two with a flag go to a short private dir (sun_path is limited to
+    # 108 bytes, so not under workdir); the gRPC ones are always
+    # /tmp/seaweedfs-<service>-grpc-<port>.sock, removed by cleanup() when stale.
+    if sockets is None:
+        sockets = Path(tempfile.mkdtemp(prefix="gm-weed-", dir="/tmp"))
+    else:
+        sockets.mkdir(mode=0o700, parents=True, exist_ok=True)
+    argv = [
+        weed,
+        "-logtostderr",  # glog into our log file, not /tmp/weed.*
+        "mini",
+        f"-dir={workdir / 'data'}",
+        "-ip=127.0.0.1",
+        "-ip.bind=127.0.0.1",
+        f"-s3.port={http['s3']}",
+        f"-s3.port.grpc={grpc['s3']}",
+        f"-s3.config={workdir / 's3.json'}",
+        # AWS behaviour instead of weed's defaults: no bucket appears on a PUT into a
+        # missing bucket, and deleting a non-empty bucket fails with BucketNotEmpty.
+        "-s3.autoCreateBucket=false",
+        "-s3.allowDeleteBucketNotEmpty=false",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
+        f"-s3.localSocket={sockets / 's3.sock'}",
+        f"-master.port={http['master']}",
+        f"-master.port.grpc={grpc['master']}",
+        "-master.telemetry=false",
+        f"-volume.port={http['volume']}",
+        f"-volume.port.grpc={grpc['volume']}",
+        f"-filer.port={http['filer']}",
+        f"-filer.port.grpc={grpc['filer']}",
+        f"-filer.localSocket={sockets / 'filer.sock'}",
+        "-admin.ui=false",
+        # The admin server listens even with -admin.ui=false.
+        f"-admin.port={http['admin']}",
+        f"-admin.port.grpc={grpc['admin']}",
+        "-webdav=false",
+    ]
+    server = S3Server(
+        name="seaweedfs",
+        endpoint_url=f"http://127.0.0.1:{http['s3']}",
+        bucket=bucket,
+        access_key=access_key,
+        secret_key=secret_key,
+        region=REGION,
+    )
+
+    def cleanup() -> None:
+        shutil.rmtree(sockets, ignore_errors=True)
+        # weed does not always remove its gRPC sockets, even on a clean exit.
+        for port in grpc.values():
+            for path in glob.glob(f"/tmp/seaweedfs-*-grpc-{port}.sock"):
+                _remove_stale_socket(path)
+
+    return argv, server, cleanup
+
+
+class RestartableSeaweedFS:
+    """``weed mini`` that can be stopped and started again on the same data dir and the same
+    ports, as a store outage looks to its clients: the endpoint refuses connections while
+    stopped, then answers again with every object written before the stop.
+
+    Use :func:`restartable_seaweedfs`. :attr:`server` is valid from the first start on and
+    keeps its endpoint across restarts.
+    """
+
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        bucket: str = "gradientmail-seaweedfs",
+        access_key: str = DEFAULT_ACCESS_KEY,
+        secret_key: str = DEFAULT_SECRET_KEY,
+        start_timeout: float = START_TIMEOUT_S,
+    ) -> None:
+        self._weed = _venv_bin("weed")
+        self._workdir = _seaweedfs_workdir(Path(workdir), access_key, secret_key)
+        self._bucket = bucket
+        self._keys = (access_key, secret_key)
+        self._start_timeout = start_timeout
+        self._ports: list[int] | None = None
+        self._sockets: Path | None = None
+        self._running: _Running | None = None
+        self._server: S3Server | None = None
+
+    @property
+    def server(self) -> S3Server:
+        if self._server is None:
+            raise RuntimeError("RestartableSeaweedFS.server: never started")
+        return self._server
+
+    @property
+    def running(self) -> bool:
+        return self._running is not None
+
+    def start(self) -> float:
+        """Start the server (again); returns the seconds until it answered. The first start
+        picks the ports (retrying on a clash); a restart uses the same ones."""
+        if self._running is not None:
+            raise RuntimeError("RestartableSeaweedFS.start: already running")
+        access_key, secret_key = self._keys
+        if self._sockets is None:
+            self._sockets = Path(tempfile.mkdtemp(prefix="gm-weed-", dir="/tmp"))
+        sockets = self._sockets
+        made: list[tuple[list[int], S3Server]] = []
+
+        def make() -> tuple[list[str], S3Server, Callable[[], None] | None]:
+            ports = self._ports or _free_ports(2 * len(_WEED_SERVICES))
+            argv, server, cleanup = _seaweedfs_command(
+                self._weed, self._workdir, self._bucket, access_key, secret_key, ports, sockets
+            )
+            made.append((list(ports), server))
+            return argv, server, cleanup
+
+        running = _launch("seaweedfs", self._workdir, make, self._start_timeout, threading.Event())
+        if self._ports is None:
+            self._ports, self._server = made[-1]
+        self._running = running
+        return running.start_seconds
+
+    def stop(self) -> float:
+        """Stop the server (its data stays); returns the seconds it took. Idempotent."""
+        running, self._running = self._running, None
+        return 0.0 if running is None else running.stop()
+
+
+@contextmanager
+def restartable_seaweedfs(
+    workdir: Path,
+    *,
+    bucket: str = "gradientmail-seaweedfs",
+    access_key: str = DEFAULT_ACCESS_KEY,
+    secret_key: str = DEFAULT_SECRET_KEY,
+    start_timeout: float = START_TIMEOUT_S,
+) -> Iterator[RestartableSeaweedFS]:
+    """A started :class:`RestartableSeaweedFS` under ``workdir``, stopped (and its socket
+    dir removed) on exit."""
+    weed = RestartableSeaweedFS(
+        workdir,
+        bucket=bucket,
+        access_key=access_key,
+        secret_key=secret_key,
+        start_timeout=start_timeout,
+    )
+    try:
+        weed.start()
+        yield weed
+    finally:
+        weed.stop()
+        if weed._sockets is not None:
+            shutil.rmtree(weed._sockets, ignore_errors=True)
 
 
 def _start_moto(
