@@ -30,7 +30,7 @@ test-charts: install ## The chart, manifests and install tests only
 	$(PYTHON) -m pytest -q tests/charts
 
 .PHONY: crd
-crd: install ## Regenerate the chart's CRD from gradientmail/runspec.py
+crd: install ## Regenerate the chart's CRD from gradientmail/launch/runspec.py
 	$(PYTHON) -m gradientmail_operator.crd > charts/gradientmail-operator/crds/gradientmailruns.yaml
 
 .PHONY: manifests

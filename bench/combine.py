@@ -9,7 +9,7 @@ Measured, for a fragment of ``--params`` float32 parameters (default 100M = 400 
   measured in the same run; and, to show what fresh memory costs, the same copy into memory
   allocated per call (``torch.empty_like`` + ``copy_``, the copies alive to the call's end);
 - ``DiLoCo.combine`` in three configurations: both outputs allocated per call (``out=None``);
-  the closer's (``gradientmail/_closer.py``): new parameters into buffers from its
+  the closer's (``gradientmail/engine/closer.py``): new parameters into buffers from its
   ``BufferPool`` (reused once nothing refers to them, as here, where each call's result is
   dropped: in training, once the training thread moves past that commit), the new momentum
   written in place over the momentum input (the closer's own cached buffer); and
@@ -138,7 +138,7 @@ def run(ctx: h.Context) -> h.Report:
         ],
         note=(
             "Allocated: fresh tensor storage per call, in fragments (1.00 = "
-            f"{frag / 1e6:.0f} MB); the outputs are 2.00. The closer (gradientmail/_closer.py) "
+            f"{frag / 1e6:.0f} MB); the outputs are 2.00. The closer (gradientmail/engine/closer.py) "
             "writes the new parameters into pooled buffers, reused once nothing refers to "
             "them any more, and the new momentum over its own cached momentum. The three "
             "configurations' results are checked bitwise equal."

@@ -391,7 +391,7 @@ class RoundCloser:
         # mailbox's bytes). The new parameters go to the training thread (staged, applied,
         # then kept as the reference and as the base of this fragment's next round), which
         # holds references the closer cannot see: they come from a pool that reuses a
-        # buffer only once no tensor anywhere still refers to its storage (_buffers.py).
+        # buffer only once no tensor anywhere still refers to its storage (payload/buffers.py).
         params_out = self._params_out.take(fragment, base_params)
         out: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
         if tuple(self.algorithm.state_specs(self.layout.specs[fragment])) == tuple(

@@ -6,7 +6,7 @@ threads follow, each with its own event loop and one shared mailbox:
 
 - the *communication* thread publishes contributions, renews the lease (a task of its own,
   so a long transfer never starves it), and closes rounds this learner contributed to
-  (``_closer.py``); a round it closes is staged for the training thread at once;
+  (``engine/closer.py``); a round it closes is staged for the training thread at once;
 - the *syncer* polls ``rounds/`` for new commits, verifies them and stages them, record by
   record and fragment by fragment, so one bad record or one failed download holds back
   nothing else.

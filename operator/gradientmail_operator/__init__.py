@@ -3,7 +3,7 @@
 Importable as ``gradientmail_operator`` (never as ``operator``, which would shadow the
 standard library); ``scripts/install.sh`` installs it from ``operator/``. Files:
 
-- ``crd.py``: renders the CRD YAML from the spec models in ``gradientmail/runspec.py``
+- ``crd.py``: renders the CRD YAML from the spec models in ``gradientmail/launch/runspec.py``
   (shared with ``gradientmail run``): ``python -m gradientmail_operator.crd``.
 - ``render.py``: pure: the run's prefix and mailbox URL, the node pods (env, security).
 - ``reconcile.py``: pure: from spec, status and pods to a plan (create, delete, phase,

@@ -34,7 +34,7 @@ def spec(**overrides: object) -> GradientMailRunSpec:
 
 def test_the_chart_crd_is_generated_from_the_models() -> None:
     assert CHART_CRD.read_text() == crd.render(), (
-        "the CRD drifted from gradientmail/runspec.py; regenerate it with "
+        "the CRD drifted from gradientmail/launch/runspec.py; regenerate it with "
         "`python -m gradientmail_operator.crd > charts/gradientmail-operator/crds/"
         "gradientmailruns.yaml`"
     )
