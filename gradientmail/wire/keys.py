@@ -167,7 +167,8 @@ def parse_snapshot_key(key: str) -> tuple[int, str]:
     return int(parts[1]), parts[2]
 
 
-PARTS_SUFFIX = ".parts"  # a payload stored as parts: this blob is its index (see payload/transfer.py)
+# A payload stored as parts: this blob is its index (see payload/transfer.py).
+PARTS_SUFFIX = ".parts"
 
 
 def blob_key(sha256_hex: str) -> str:
