@@ -139,9 +139,9 @@ def run(ctx: h.Context) -> h.Report:
         note=(
             "Allocated: fresh tensor storage per call, in fragments (1.00 = "
             f"{frag / 1e6:.0f} MB); the outputs are 2.00. The closer "
-            "(gradientmail/engine/closer.py) writes the new parameters into pooled buffers, reused once nothing refers to "
-            "them any more, and the new momentum over its own cached momentum. The three "
-            "configurations' results are checked bitwise equal."
+            "(gradientmail/engine/closer.py) writes the new parameters into pooled buffers, "
+            "reused once nothing refers to them any more, and the new momentum over its own "
+            "cached momentum. The three configurations' results are checked bitwise equal."
         ),
     )
     results: dict[str, Any] = {}
