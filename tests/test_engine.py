@@ -579,3 +579,36 @@ def test_a_learner_joining_mid_run_starts_with_the_fragment_whose_round_is_next(
         assert pending[1].round == 5
     finally:
         joiner._abandon()
+
+
+def test_a_wait_that_gave_up_is_not_repeated_at_every_step() -> None:
+    """overlap > 0 and the store refuses every write: the wait at the overlap deadline gives
+    up once; the steps until the fragment's next sync point do not wait again."""
+
+    class Down(_Wrapper):
+        down = False
+
+        async def put_if_absent(self, key: str, data: bytes) -> bool:
+            if self.down:
+                raise MailboxUnavailable("injected outage")
+            return await self.inner.put_if_absent(key, data)
+
+    box = Down(gm.MemoryMailbox())
+    algorithm = gm.DiLoCo(sync_every=10)
+    session = gm.Session(
+        make_model(),
+        algorithm=algorithm,
+        mailbox=box,
+        learner_id="a",
+        overlap=2,
+        wait_timeout=0.2,
+        **FAST,
+    )  # type: ignore[arg-type]
+    try:
+        box.down = True
+        for _ in range(19):  # the sync point at 10, its overlap deadline at 12, then 7 more
+            session.step()
+        assert session.counters().wait_timeouts == 1
+    finally:
+        box.down = False
+        session._abandon()

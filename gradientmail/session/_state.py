@@ -62,6 +62,9 @@ class _Pending:
     samples: int
     step: int  # the local step at which it was handed over
     handed_at: float = field(default_factory=time.monotonic)  # when (the sync point)
+    # Training thread only: a wait for its commit gave up; the next wait for it is at the
+    # fragment's next sync point, not at every step until then.
+    gave_up: bool = False
     payload: str | None = None
     published_at: float | None = None
     cancelled: bool = False

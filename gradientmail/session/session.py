@@ -399,7 +399,7 @@ class Session(_Background):
             due = [
                 pending.fragment
                 for pending in self._inflight.values()
-                if pending.step + self.overlap <= self._steps
+                if pending.step + self.overlap <= self._steps and not pending.gave_up
             ]
         for fragment in due:
             self._await(fragment, time.monotonic() + self.wait_timeout)
@@ -410,7 +410,11 @@ class Session(_Background):
             self._wait_at = _NEVER
             return
         with self._lock:
-            steps = [pending.step + self.overlap for pending in self._inflight.values()]
+            steps = [
+                pending.step + self.overlap
+                for pending in self._inflight.values()
+                if not pending.gave_up
+            ]
         self._wait_at = min(steps, default=_NEVER)
 
     def _await(self, fragment: int, deadline: float) -> bool:
@@ -442,6 +446,7 @@ class Session(_Background):
             self._counters.waited_s += seconds
             if not done:
                 self._counters.wait_timeouts += 1
+                pending.gave_up = True
         self._emit(
             SyncWaited(
                 self.learner_id,
