@@ -1,7 +1,9 @@
 """The learner: :class:`Session` (joins a run and trains in it) and :func:`align`.
 
-- ``session.py``: :class:`Session`, its public surface and the training-thread side
-  (sync points, bounded waits, applying staged commits);
+- ``session.py``: :class:`Session`: its settings, joining, and its public surface
+  (``step``, ``sync``, ``close``, counters);
+- ``_training.py``: the training-thread side, mixed into the Session (sync points, bounded
+  waits, contributions at close/sync, applying staged commits);
 - ``_background.py``: the communication thread (publish, lease, close) and the syncer
   (poll, download, stage), mixed into the Session;
 - ``_state.py``: the records handed between threads and the small pure rules of the loops;

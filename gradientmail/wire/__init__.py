@@ -1,13 +1,22 @@
 """The wire: every key and every record of the round protocol, with no I/O and no torch.
 
 - ``keys.py``: the key layout (a table of every key of every pattern), builders, parsers.
-- ``records.py``: the records as frozen dataclasses, their JSON shapes, validating decoders.
+- ``records.py``: the records as frozen dataclasses and their JSON shapes (``TypedDict``).
+- ``decode.py``: bytes -> records, every field validated (``ProtocolError`` naming the key).
 - ``parts.py``: the index of a payload stored in parts, and the blobs a payload occupies.
 
 Everything in ``keys`` and ``records`` is re-exported here; the library reads it as
 ``from gradientmail import wire as p`` (``p.round_key(r)``, ``p.decode_commit(key, data)``).
 """
 
+from gradientmail.wire.decode import (
+    decode_beat,
+    decode_claim,
+    decode_commit,
+    decode_creator,
+    decode_manifest,
+    decode_snapshot,
+)
 from gradientmail.wire.keys import (
     BLOBS,
     CLAIMS,
@@ -61,12 +70,6 @@ from gradientmail.wire.records import (
     SnapshotWire,
     TensorSpec,
     TensorSpecWire,
-    decode_beat,
-    decode_claim,
-    decode_commit,
-    decode_creator,
-    decode_manifest,
-    decode_snapshot,
     encode,
 )
 
