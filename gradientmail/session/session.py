@@ -246,6 +246,10 @@ class Session(_TrainingSide, _Background):
             raise RuntimeError("step() on a closed Session")
         if self._staged:
             self._apply_staged()
+        if not self._steps:
+            # The first step: commits that landed since the join are applied now; start
+            # the schedule from them (see _schedule_phase).
+            self._phase = self._schedule_phase(dict(enumerate(self._applied)))
         self._steps += 1
         self._samples += samples
         if self._steps >= self._wait_at:
@@ -354,15 +358,18 @@ class Session(_TrainingSide, _Background):
             timeout,
             lease_timeout=self._tracker.lease_timeout,
         )
+        # Live first, then load: from its first beat the others wait for this learner in
+        # their rounds, so few commits can land between the load below and its first
+        # contribution (which goes to the round the others are in: _schedule_phase).
+        # A restarted learner continues its own beat numbers (its leaving beat of a
+        # previous life removed first, or it would read as gone for good).
+        await self._heartbeat.start(deadline=deadline)
         rounds, tensors = await load_newest(self._box, self._layout, deadline)
         for fragment, values in tensors.items():
             self._layout.load(fragment, values)
             self._ref[fragment] = values
             self._applied[fragment] = self._known[fragment] = rounds[fragment]
         self._phase = self._schedule_phase(rounds)
-        # A restarted learner continues its own beat numbers (its leaving beat of a
-        # previous life removed first, or it would read as gone for good).
-        await self._heartbeat.start(deadline=deadline)
         self._emit(Joined(self.learner_id, creator=creator, rounds=tuple(self._applied)))
         return creator
 
