@@ -6,8 +6,9 @@ The learners are real processes (``tests/support/fault_learner.py``, forked by a
 server that imported torch once: four fresh interpreters importing torch took 10-20 s a
 test on a loaded 2-core machine), each training a tiny MLP with :class:`gm.Session`
 (``overlap=0``: every sync point waits for its commit) once all of them joined, with short
-timeouts: lease 1.5 s, round 2 s, claim 3 s, a wait at most 30 s; ``keep_rounds`` is
-large, so no commit is swept and every one can be recomputed. The faults, one case each:
+timeouts: lease 1.5 s, round 8 s (a live learner slowed by lost responses is waited
+for), claim 3 s, a wait at most 30 s; ``keep_rounds`` is large, so no commit is swept
+and every one can be recomputed. The faults, one case each:
 
 =====================  ====================================================================
 lost-responses         every learner loses the response of 8% of its calls (FaultyMailbox)

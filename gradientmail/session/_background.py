@@ -162,6 +162,10 @@ class _Background:
                     del self._inflight[pending.fragment]
             return
         with self._lock:
+            if pending.cancelled:
+                # Its round was committed (and applied) while this upload ran: counted as
+                # a sync point passed uncontributed by the training thread, not published.
+                return
             pending.payload = key
             pending.published_at = time.monotonic()
             self._counters.published += 1

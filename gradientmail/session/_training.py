@@ -21,6 +21,7 @@ from gradientmail.events import Applied, Counters, Event, SyncSkipped, SyncWaite
 from gradientmail.payload.buffers import BufferPool
 from gradientmail.session._state import _Pending, _Staged
 
+_CONTRIBUTE_PASSES = 3  # close()/sync(): tries of a contribution that missed its round
 _NEVER = 1 << 62  # a step number no run reaches: "no wait due"
 
 
@@ -181,16 +182,30 @@ class _TrainingSide:
     def _contribute_all(self, deadline: float) -> list[int]:
         """Contribute every fragment with steps not yet contributed and wait for all of this
         learner's rounds in flight; the rounds still waited for at ``deadline``."""
-        for fragment in range(self._fragments):
-            if self._samples == self._counted[fragment]:
-                continue  # nothing new since its last contribution
-            if not self._await(fragment, deadline):
-                continue
-            with self._lock:
-                self._counters.sync_points += 1
-            self._hand_over(fragment)
-        for fragment in range(self._fragments):
-            self._await(fragment, deadline)
+        counted: set[int] = set()
+        # A contribution can miss its round: the round closed without it (round_timeout)
+        # before it was published, and its steps went back to the fragment. Then it goes
+        # again, to the next round, until every step is in a commit or the deadline passes
+        # (a few passes at most: each one waits for a round).
+        for _ in range(_CONTRIBUTE_PASSES):
+            handed = False
+            for fragment in range(self._fragments):
+                if self._samples == self._counted[fragment]:
+                    continue  # nothing new since its last contribution
+                if not self._await(fragment, deadline):
+                    continue
+                if self._samples == self._counted[fragment]:
+                    continue
+                if fragment not in counted:  # one sync point, however many passes
+                    counted.add(fragment)
+                    with self._lock:
+                        self._counters.sync_points += 1
+                self._hand_over(fragment)
+                handed = True
+            for fragment in range(self._fragments):
+                self._await(fragment, deadline)
+            if not handed or time.monotonic() >= deadline:
+                break
         self._reschedule()
         with self._lock:
             return sorted(pending.round for pending in self._inflight.values())
@@ -235,6 +250,7 @@ class _TrainingSide:
             with self._lock:
                 del self._inflight[fragment]
                 pending.cancelled = True
+                published = pending.payload is not None
                 self._counters.applied += 1
                 if contributed:
                     # From the sync point: hashing and uploading the snapshot are part of
@@ -243,6 +259,11 @@ class _TrainingSide:
                     self._counters.last_commit_lag_s = lag
             if not contributed:
                 self._counted[fragment] -= pending.samples  # it goes into the next one
+                if not published:
+                    # Never published: the round closed without it. Its sync point passed
+                    # uncontributed (so published + skipped = sync points).
+                    with self._lock:
+                        self._counters.skipped_syncs += 1
         self._emit(
             Applied(
                 self.learner_id,

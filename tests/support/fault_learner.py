@@ -374,7 +374,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--fragments", type=int, default=2)
     add("--lr", type=float, default=0.05)
     add("--step-delay", type=float, default=0.005)
-    add("--round-timeout", type=float, default=2.0)
+    add("--round-timeout", type=float, default=8.0)
     add("--lease-timeout", type=float, default=1.5)
     add("--claim-timeout", type=float, default=3.0)
     add("--wait-timeout", type=float, default=30.0, help="step()'s bound on one wait")
