@@ -495,18 +495,27 @@ def reported_commits_exist(run: Run, commits: dict[int, p.Commit]) -> None:
             assert event["round"] in commits, (learner.name, event)
 
 
-def finish(run: Run, survivors: list[Learner], *, skips: bool = False) -> dict[int, p.Commit]:
+def finish(
+    run: Run, survivors: list[Learner], *, skips: bool = False, missed: bool = False
+) -> dict[int, p.Commit]:
     """Stop the run, check every commit, align in every survivor: identical parameters.
 
     Unless ``skips`` (a store outage longer than a wait's bound), every sync point of every
-    survivor contributed: none was skipped, no wait gave up (``wait_timeout`` is 30 s)."""
+    survivor contributed: none was skipped, no wait gave up (``wait_timeout`` is 30 s).
+    ``missed``: a round may close without a live learner whose beats the fault delayed past
+    its 1.5 s lease (it looked gone for a moment); such a sync point is counted as skipped,
+    its steps go into the next contribution, and no wait gives up."""
     run.touch("stop")
     for learner in survivors:
         closed = learner.wait_for("closed", timeout=PROGRESS_S)
         assert closed["error"] is None, (learner.name, closed)
         counters = closed["counters"]
         print(learner.name, "counters:", counters)
-        if not skips:
+        if missed:
+            assert counters.get("wait_timeouts", 0) == 0, (learner.name, counters)
+            accounted = counters["published"] + counters["skipped_syncs"]
+            assert accounted == counters.get("sync_points"), (learner.name, counters)
+        elif not skips:
             assert counters["skipped_syncs"] == 0, (learner.name, counters)
             assert counters.get("wait_timeouts", 0) == 0, (learner.name, counters)
             assert counters["published"] == counters.get("sync_points"), (learner.name, counters)
@@ -535,7 +544,7 @@ def test_lost_responses(store: Store, make_run: Callable[[Store], Run]) -> None:
     run = make_run(store)
     learners = start_four(run, {i: (f"--lost-rate={LOST_RATE}",) for i in range(LEARNERS)})
     progress_after(run, run.newest(), learners, "lost responses", time.monotonic())
-    finish(run, learners)
+    finish(run, learners, missed=True)
     lost = [learner.records("closed")[0]["lost"] for learner in learners]
     assert all(n > 0 for n in lost), lost
 

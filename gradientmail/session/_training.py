@@ -72,6 +72,9 @@ class _TrainingSide:
     def _sync_point(self, fragment: int) -> None:
         """``fragment`` is due at this step: contribute it (waiting first if its previous
         contribution is still in flight, unless free-running)."""
+        # A commit staged since this step() began: applied first, so the contribution is
+        # built on it (else it would go to a round that is already committed).
+        self._apply_staged()
         with self._lock:
             self._counters.sync_points += 1
             busy = fragment in self._inflight
