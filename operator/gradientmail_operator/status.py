@@ -113,7 +113,8 @@ def sync_condition(view: RunView) -> tuple[bool, Reason, str]:
             False,
             Reason.SYNC_POINTS_SKIPPED,
             f"{sync.skipped} of {sync.sync_points} sync points skipped ({names}): those steps "
-            "went into later, longer contributions (free_running, or waits that gave up)",
+            "went into later contributions (free_running, a wait that gave up, or a round "
+            "that closed without it)",
         )
     if sync.stalling:
         stalling = [lv for lv in view.learners if lv.stalling]
