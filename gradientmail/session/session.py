@@ -360,7 +360,8 @@ class Session(_TrainingSide, _Background):
         )
         # Live first, then load: from its first beat the others wait for this learner in
         # their rounds, so few commits can land between the load below and its first
-        # contribution (which goes to the round the others are in: _schedule_phase).
+        # contribution (which goes to the round the others are in: the schedule's phase
+        # is taken at the first step, from the commits applied by then).
         # A restarted learner continues its own beat numbers (its leaving beat of a
         # previous life removed first, or it would read as gone for good).
         await self._heartbeat.start(deadline=deadline)
@@ -369,7 +370,6 @@ class Session(_TrainingSide, _Background):
             self._layout.load(fragment, values)
             self._ref[fragment] = values
             self._applied[fragment] = self._known[fragment] = rounds[fragment]
-        self._phase = self._schedule_phase(rounds)
         self._emit(Joined(self.learner_id, creator=creator, rounds=tuple(self._applied)))
         return creator
 
