@@ -5,7 +5,8 @@ here (``__all__``); everything else is private to its package. The layers, lowes
 (each imports only from the ones above it in this list):
 
 - ``errors.py``, ``events.py``: the exceptions (who is at fault, what to do) and the events
-  and counters a Session reports.
+  and counters a Session reports; ``ledger.py``: the host memory the library holds, by
+  purpose (:func:`memory_usage`).
 - ``mailbox/``: the :class:`Mailbox` Protocol, its backends (memory, file, S3),
   :func:`open_mailbox`, key validation, and a metering wrapper.
 - ``wire/``: every key and record of the protocol (keys, records, payload part indexes); no
@@ -36,6 +37,7 @@ from gradientmail.errors import (
     PayloadCorrupt,
     ProtocolError,
 )
+from gradientmail.ledger import MemoryUsage, memory_usage
 from gradientmail.mailbox import Mailbox
 from gradientmail.mailbox.file import FileMailbox
 from gradientmail.mailbox.memory import MemoryMailbox
@@ -59,6 +61,7 @@ __all__ = [
     "MailboxError",
     "MailboxUnavailable",
     "MemoryMailbox",
+    "MemoryUsage",
     "PayloadCorrupt",
     "ProtocolError",
     "S3Mailbox",
@@ -67,6 +70,7 @@ __all__ = [
     "align",
     "events",
     "inspect",
+    "memory_usage",
     "open_mailbox",
     "shared_queue",
     "verify",
