@@ -17,7 +17,7 @@ import torch
 
 import gradientmail as gm
 from gradientmail import wire as p
-from gradientmail.algorithms.base import Contribution, Tensors, register
+from gradientmail.algorithms.base import Tensors, register
 from gradientmail.algorithms.diloco import DiLoCo
 from gradientmail.payload import get_tensors
 from tests.training import Learner, commits, run_learners, verify_all
@@ -51,26 +51,24 @@ class PlainAverage:
     def state_specs(self, specs: Sequence[p.TensorSpec]) -> tuple[p.TensorSpec, ...]:
         return ()
 
-    def combine(
+    def weights(
+        self, contributions: Sequence[tuple[str, int]], closer: str | None, /
+    ) -> tuple[list[float], list[float]]:
+        total = float(sum(samples for _, samples in contributions))
+        shares = [samples / total for _, samples in contributions]
+        return shares, shares
+
+    def finish(
         self,
         base: Mapping[str, torch.Tensor],
         state: Mapping[str, torch.Tensor] | None,
-        contributions: Sequence[Contribution],
+        mean: Tensors,
         /,
         *,
-        out: tuple[Tensors, Tensors] | None = None,
+        state_out: Tensors | None = None,
         buffer_names: Collection[str] = (),
-        closer: str | None = None,
     ) -> tuple[Tensors, Tensors]:
-        ordered = sorted(contributions, key=lambda c: c[0])
-        total = float(sum(samples for _, samples, _ in ordered))
-        params: Tensors = {}
-        for name, value in base.items():
-            acc = torch.zeros_like(value, dtype=torch.float32)
-            for _, samples, local in ordered:
-                acc.add_(local[name].to(torch.float32), alpha=samples / total)
-            params[name] = acc.to(value.dtype)
-        return params, {}
+        return {name: mean[name].to(value.dtype) for name, value in base.items()}, {}
 
 
 def test_a_custom_algorithm_is_an_algorithm() -> None:

@@ -10,9 +10,13 @@ all of it.
 
 Requirements every implementation keeps:
 
-- ``combine`` is deterministic given its inputs (contributions in learner-id order,
-  float32 accumulation), so any process recomputes a commit bit for bit
-  (``engine/verify.py``);
+- a round is two steps: the engine sums the contributions, each weighted as
+  :meth:`Algorithm.weights` says, in learner-id order, in float32 (streamed part by part
+  from the mailbox at a closer, so its memory does not grow with the number of
+  contributors); then :meth:`Algorithm.finish` turns those sums and the previous commit
+  into the next one. Both are deterministic and element-wise, so any process recomputes a
+  commit bit for bit (``engine/verify.py``), however the tensors were cut into pieces on
+  the way (:func:`combine` is the whole-tensor form of the same two steps);
 - ``settings()`` is JSON and round-trips through ``from_settings``; the manifest records
   it, and a joiner whose settings differ gets a ``ProtocolError`` listing the difference.
 """
@@ -26,7 +30,7 @@ import torch
 
 from gradientmail.wire import TensorSpec
 
-__all__ = ["Algorithm", "Contribution", "Tensors"]
+__all__ = ["Algorithm", "Contribution", "Tensors", "accumulate", "combine", "weighted_sum"]
 
 Tensors = dict[str, torch.Tensor]
 # (learner id, samples since its last contribution, its fragment's tensors)
@@ -74,20 +78,30 @@ class Algorithm(Protocol):
         (DiLoCo: one momentum tensor per tensor; a stateless algorithm: none)."""
         ...
 
-    def combine(
+    def weights(
+        self, contributions: Sequence[tuple[str, int]], closer: str | None, /
+    ) -> tuple[Sequence[float], Sequence[float]]:
+        """How much each contribution counts, given ``(learner, samples)`` in learner-id
+        order and the closing learner: ``(for parameters, for floating-point buffers)``,
+        one weight per contribution each. The engine sums ``weight · local`` per tensor in
+        float32, in this order; a zero weight skips the contribution for that kind."""
+        ...
+
+    def finish(
         self,
         base: Mapping[str, torch.Tensor],
         state: Mapping[str, torch.Tensor] | None,
-        contributions: Sequence[Contribution],
+        mean: Tensors,
         /,
         *,
-        out: tuple[Tensors, Tensors] | None = None,
+        state_out: Tensors | None = None,
         buffer_names: Collection[str] = (),
-        closer: str | None = None,
     ) -> tuple[Tensors, Tensors]:
-        """The next commit's tensors and the state kept with it, from the previous
-        commit's (``base``, ``state``: None before the first round) and the round's
-        contributions; written into ``out`` when given."""
+        """The next commit's tensors and the state kept with it, from the previous commit's
+        (``base``, ``state``: None before the first round) and ``mean``, the contributions'
+        weighted sums (float32, contiguous; ``finish`` may overwrite them and return them).
+        ``state_out``: buffers for the new state, when given (they may be ``state``'s own,
+        for an element-wise update)."""
         ...
 
 
@@ -113,3 +127,75 @@ def from_manifest(settings: Mapping[str, Any]) -> Algorithm:
             f"{sorted(ALGORITHMS)}); upgrade gradientmail"
         )
     return cls.from_settings(settings)
+
+
+def accumulate(acc: torch.Tensor, piece: torch.Tensor, weight: float, first: int = 0) -> None:
+    """``acc[first : first + n] += weight · piece`` over the flattened float32 ``acc``: one
+    piece of one contribution's tensor. Element-wise, so summing a tensor in pieces gives
+    the same bits as summing it whole (``tests/test_memory.py`` checks it)."""
+    if weight == 0.0:
+        return
+    target = acc.view(-1)[first : first + piece.numel()]
+    target.add_(piece.reshape(-1).to(torch.float32), alpha=weight)
+
+
+def weighted_sum(
+    algorithm: Algorithm,
+    like: Mapping[str, torch.Tensor],
+    contributions: Sequence[Contribution],
+    *,
+    buffer_names: Collection[str] = (),
+    closer: str | None = None,
+    out: Tensors | None = None,
+) -> Tensors:
+    """The contributions' weighted sums, whole tensors at a time (the closer streams the
+    same sums part by part): float32, into ``out`` when given (zeroed first)."""
+    ordered = sorted(contributions, key=lambda c: c[0])
+    params_w, buffers_w = algorithm.weights([(c[0], c[1]) for c in ordered], closer)
+    buffers = frozenset(buffer_names)
+    sums: Tensors = {}
+    with torch.no_grad():
+        for name, value in like.items():
+            acc = (
+                torch.zeros(value.shape, dtype=torch.float32, device=value.device)
+                if out is None
+                else out[name].zero_()
+            )
+            weights = buffers_w if name in buffers else params_w
+            for (_, _, local), weight in zip(ordered, weights, strict=True):
+                accumulate(acc, local[name], weight)
+            sums[name] = acc
+    return sums
+
+
+def combine(
+    algorithm: Algorithm,
+    base: Mapping[str, torch.Tensor],
+    state: Mapping[str, torch.Tensor] | None,
+    contributions: Sequence[Contribution],
+    *,
+    out: tuple[Tensors, Tensors] | None = None,
+    buffer_names: Collection[str] = (),
+    closer: str | None = None,
+) -> tuple[Tensors, Tensors]:
+    """A round's commit from whole tensors: :func:`weighted_sum`, then ``finish``.
+    ``out``: ``(sums, state)`` buffers written instead of allocating (the sums become the
+    parameters where they are float32); see ``DiLoCo.combine`` for what is checked."""
+    if not contributions:
+        raise ValueError("a round needs at least one contribution")
+    buffers = frozenset(buffer_names)
+    unknown = sorted(buffers - base.keys())
+    if unknown:
+        raise ValueError(f"buffer_names {unknown[:3]} are not among the tensors combined")
+    sums = weighted_sum(
+        algorithm,
+        base,
+        contributions,
+        buffer_names=buffers,
+        closer=closer,
+        out=None if out is None else out[0],
+    )
+    with torch.no_grad():
+        return algorithm.finish(
+            base, state, sums, state_out=None if out is None else out[1], buffer_names=buffers
+        )

@@ -22,9 +22,10 @@ contributions' plain sample-weighted average ``Σ samples_i · local_i / Σ samp
 ``buffers="closer"`` to the closing learner's own copy (the first contributor in learner-id
 order if the closer did not contribute).
 
-``combine`` is deterministic (contributions in learner-id order, float32 accumulation,
-element-wise ops only), so any process can recompute a commit from its round record and
-the previous commit of its fragment and get the same bits.
+A round is the engine's weighted sums (:meth:`DiLoCo.weights`: contributions in
+learner-id order, float32) and :meth:`DiLoCo.finish` (the outer step), element-wise ops
+only, so any process can recompute a commit from its round record and the previous commit
+of its fragment and get the same bits.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from typing import Any
 
 import torch
 
-from gradientmail.algorithms.base import register
+from gradientmail.algorithms.base import combine, register
 from gradientmail.wire import TensorSpec
 
 __all__ = ["BUFFER_MODES", "DiLoCo"]
@@ -148,72 +149,46 @@ class DiLoCo:
         stored in the fragment's own dtypes and shapes (buffers' entries stay zero)."""
         return tuple(specs)
 
-    def combine(
+    def weights(
+        self, contributions: Sequence[tuple[str, int]], closer: str | None, /
+    ) -> tuple[list[float], list[float]]:
+        """Parameters: ``samples_i / Σ samples``. Buffers: the same (``"average"``), or all
+        on the closer's copy (``"closer"``; the first contributor's in learner-id order if
+        the closer did not contribute)."""
+        total = float(sum(samples for _, samples in contributions))
+        params = [samples / total for _, samples in contributions]
+        if self.buffers != "closer":
+            return params, params
+        learners = [learner for learner, _ in contributions]
+        chosen = learners.index(closer) if closer in learners else 0
+        return params, [1.0 if i == chosen else 0.0 for i in range(len(learners))]
+
+    def finish(
         self,
         base: Mapping[str, torch.Tensor],
-        momentum: Mapping[str, torch.Tensor] | None,
-        contributions: Sequence[tuple[str, int, Mapping[str, torch.Tensor]]],
+        state: Mapping[str, torch.Tensor] | None,
+        mean: dict[str, torch.Tensor],
+        /,
         *,
-        out: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None,
+        state_out: dict[str, torch.Tensor] | None = None,
         buffer_names: Collection[str] = (),
-        closer: str | None = None,
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """New global parameters and momentum from ``(learner, samples, local)`` triples.
-
-        ``buffer_names``: the names in ``base`` that are floating-point buffers (the layout's
-        kind ``buffer``): each becomes the plain sample-weighted average of the
-        contributions (``buffers="average"``) or the copy of ``closer`` (``"closer"``), and
-        its momentum entry zero; ``momentum`` may lack them. ``closer``: the learner that
-        closes the round (the record's ``closer``; only ``buffers="closer"`` reads it).
-
-        Per tensor, one float32 accumulator holds the weighted average and then, in place,
-        the new parameters; the new momentum is the other output. Nothing else of full size
-        is allocated (``.to(float32)`` of a float32 input is the input itself).
-
-        ``out``: ``(params, momentum)`` buffers to write into instead of allocating the two
-        outputs, each with exactly the names of ``base``, float32, contiguous, on the
-        parameters' device and of their shapes (``ValueError`` naming the tensor otherwise).
-        ``out[0]`` is the accumulator: for float32 parameters the returned parameters are
-        those buffers, for other dtypes a conversion of them. ``out[1][name]`` may be
-        ``momentum[name]`` itself (the momentum update is element-wise, so it runs in
-        place); no other output may share memory with an input or with another output.
-        The results are bitwise the same with and without ``out``.
-        """
-        if not contributions:
-            raise ValueError("a round needs at least one contribution")
-        ordered = sorted(contributions, key=lambda c: c[0])
+        """The outer step, in place in ``mean`` (the weighted average, which becomes the
+        new parameters; a conversion of it for non-float32 parameters); the momentum into
+        ``state_out`` when given (it may be ``state``'s own tensors: element-wise)."""
+        momentum = state
         buffers = frozenset(buffer_names)
-        unknown = sorted(buffers - base.keys())
-        if unknown:
-            raise ValueError(f"buffer_names {unknown[:3]} are not among the tensors combined")
-        if out is not None:
-            _check_out(base, momentum, [local for _, _, local in ordered], out)
-        total = float(sum(samples for _, samples, _ in ordered))
-        # buffers="closer": the closer's own copy (else, deterministically, the first one).
-        copied = None
-        if self.buffers == "closer":
-            copied = next((c[2] for c in ordered if c[0] == closer), ordered[0][2])
         new_params: dict[str, torch.Tensor] = {}
         new_momentum: dict[str, torch.Tensor] = {}
         lr, mu = self.outer_lr, self.outer_momentum
         for name, global_value in base.items():
             g = global_value.to(torch.float32)  # a view when already float32
-            # No temporaries: the weighted average accumulates in the buffer that becomes the
-            # new parameters, and the momentum buffer is the other output. With ``out`` the
-            # same operations run in the same order, into the given buffers.
-            acc = torch.zeros_like(g) if out is None else out[0][name].zero_()
-            m_out = None if out is None else out[1][name]
+            acc = mean[name]
+            m_out = None if state_out is None else state_out[name]
             if name in buffers:  # statistics: the average (or the closer's), no outer step
-                if copied is not None:
-                    acc.copy_(copied[name])
-                else:
-                    for _, samples, local in ordered:
-                        acc.add_(local[name].to(torch.float32), alpha=samples / total)
                 new_params[name] = acc.to(global_value.dtype)
                 new_momentum[name] = torch.zeros_like(g) if m_out is None else m_out.zero_()
                 continue
-            for _, samples, local in ordered:
-                acc.add_(local[name].to(torch.float32), alpha=samples / total)
             # delta = g − avg;  m = μ·m_old + delta
             if momentum is None:  # the first round: momentum starts at zero
                 m = torch.sub(g, acc) if m_out is None else torch.sub(g, acc, out=m_out)
@@ -229,6 +204,47 @@ class DiLoCo:
             new_params[name] = acc.to(global_value.dtype)
             new_momentum[name] = m
         return new_params, new_momentum
+
+    def combine(
+        self,
+        base: Mapping[str, torch.Tensor],
+        momentum: Mapping[str, torch.Tensor] | None,
+        contributions: Sequence[tuple[str, int, Mapping[str, torch.Tensor]]],
+        *,
+        out: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None,
+        buffer_names: Collection[str] = (),
+        closer: str | None = None,
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """New global parameters and momentum from ``(learner, samples, local)`` triples,
+        whole tensors at a time (:func:`gradientmail.algorithms.base.combine`: the
+        weighted sums, then :meth:`finish`); the closer computes the same bits streaming.
+
+        ``buffer_names``: the names in ``base`` that are floating-point buffers (the layout's
+        kind ``buffer``): each becomes the plain sample-weighted average of the
+        contributions (``buffers="average"``) or the copy of ``closer`` (``"closer"``), and
+        its momentum entry zero; ``momentum`` may lack them. ``closer``: the learner that
+        closes the round (the record's ``closer``; only ``buffers="closer"`` reads it).
+
+        ``out``: ``(params, momentum)`` buffers to write into instead of allocating the two
+        outputs, each with exactly the names of ``base``, float32, contiguous, on the
+        parameters' device and of their shapes (``ValueError`` naming the tensor otherwise).
+        ``out[0]`` is the accumulator: for float32 parameters the returned parameters are
+        those buffers, for other dtypes a conversion of them. ``out[1][name]`` may be
+        ``momentum[name]`` itself (the momentum update is element-wise, so it runs in
+        place); no other output may share memory with an input or with another output.
+        The results are bitwise the same with and without ``out``.
+        """
+        if out is not None:
+            _check_out(base, momentum, [local for _, _, local in contributions], out)
+        return combine(
+            self,
+            base,
+            momentum,
+            contributions,
+            out=out,
+            buffer_names=buffer_names,
+            closer=closer,
+        )
 
 
 def _span(tensor: torch.Tensor) -> tuple[int, int]:

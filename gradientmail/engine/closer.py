@@ -44,7 +44,7 @@ from functools import partial
 import torch
 
 from gradientmail import wire as p
-from gradientmail.algorithms.base import Algorithm
+from gradientmail.algorithms.base import Algorithm, accumulate
 from gradientmail.coord.election import abandoned, claim
 from gradientmail.coord.leases import LeaseTracker
 from gradientmail.coord.retry import retrying
@@ -52,9 +52,11 @@ from gradientmail.coord.sweep import sweep_after
 from gradientmail.engine.layout import ModelLayout
 from gradientmail.errors import ProtocolError
 from gradientmail.events import Committed, Event
+from gradientmail.ledger import GLOBAL, MOMENTUM
 from gradientmail.mailbox import Mailbox
 from gradientmail.payload import get_tensors, put_tensors
 from gradientmail.payload.buffers import BufferPool
+from gradientmail.payload.stream import Sink, fixed, read_into, stream_tensors
 from gradientmail.wire.parts import blob_keys
 
 __all__ = ["GIVE_UP_AFTER", "Outcome", "RoundCloser"]
@@ -115,6 +117,7 @@ class RoundCloser:
         clock: Callable[[], float] = time.monotonic,
         claim_timeout: float | None = None,
         give_up_after: int = GIVE_UP_AFTER,
+        global_pool: BufferPool | None = None,
     ) -> None:
         if give_up_after < 1:
             raise ValueError(f"give_up_after must be at least 1, not {give_up_after}")
@@ -136,7 +139,10 @@ class RoundCloser:
         self._lock = threading.Lock()
         self._records: dict[int, p.Commit] = {}
         self._momentum: dict[int, tuple[str, dict[str, torch.Tensor]]] = {}
-        self._params_out = BufferPool()
+        # The sums (which become the new parameters) come from ``global_pool`` (a Session
+        # shares it with its syncer's downloads: both end up as the reference).
+        self._params_out = BufferPool(GLOBAL) if global_pool is None else global_pool
+        self._state_pool = BufferPool(MOMENTUM)
 
     def forget(self, r: int) -> None:
         """Drop what this closer knows of round ``r``: call it once ``r`` is committed (from
@@ -284,33 +290,36 @@ class RoundCloser:
         self,
         r: int,
         snaps: Sequence[str],
-        own_payload: str,
-        own_snapshot: Mapping[str, torch.Tensor],
         base_params: Mapping[str, torch.Tensor] | None,
         cached: tuple[str, dict[str, torch.Tensor]] | None,
     ) -> tuple[
         p.Commit,
         Mapping[str, torch.Tensor],
         dict[str, torch.Tensor] | None,
-        list[tuple[str, int, Mapping[str, torch.Tensor]]],
-        list[p.Contribution],
+        list[tuple[str, p.Snapshot]],
         list[p.Exclusion],
     ]:
-        """What round ``r`` combines: its base commit and parameters, the momentum (``cached``
-        when that is the base's), the usable snapshots and what the record lists of them,
-        and the snapshots excluded (unreadable, corrupt, or not this round's)."""
+        """What round ``r`` builds on: its base commit and parameters, the momentum
+        (``cached`` when that is the base's; else downloaded, into a pooled buffer when it
+        is updated in place), the snapshot records that name a usable contribution, and
+        those excluded (unreadable, or not this round's)."""
         specs = self.layout.specs[r % self.layout.count]
         base = await self._base(r)
         if base_params is None:
-            base_params = await retrying(partial(get_tensors, self.box, base.params, specs))
+            base_params = await retrying(
+                partial(get_tensors, self.box, base.params, specs, purpose=GLOBAL)
+            )
         momentum: dict[str, torch.Tensor] | None = None
         if base.momentum is not None:
+            state_specs = self.algorithm.state_specs(specs)
             if cached is not None and cached[0] == base.momentum:
                 momentum = cached[1]
+            elif self._in_place(r % self.layout.count):
+                into = self._state_pool.take(base_params)
+                momentum = await read_into(self.box, base.momentum, state_specs, into)
             else:
-                state_specs = self.algorithm.state_specs(specs)
                 momentum = await retrying(
-                    partial(get_tensors, self.box, base.momentum, state_specs)
+                    partial(get_tensors, self.box, base.momentum, state_specs, purpose=MOMENTUM)
                 )
         records = await asyncio.gather(*(retrying(partial(self.box.get, key)) for key in snaps))
         usable: list[tuple[str, p.Snapshot]] = []
@@ -328,33 +337,70 @@ class RoundCloser:
                 excluded.append(_exclusion(key, exc))
                 continue
             usable.append((key, snap))
+        return base, base_params, momentum, usable, excluded
 
-        async def local(snap: p.Snapshot) -> Mapping[str, torch.Tensor] | ProtocolError:
-            if snap.learner == self.learner and snap.payload == own_payload:
-                return own_snapshot  # no need to download our own
-            try:
-                return await retrying(partial(get_tensors, self.box, snap.payload, specs))
-            except ProtocolError as exc:  # corrupt, missing, not this fragment's shapes
-                return exc
+    def _in_place(self, fragment: int) -> bool:
+        """Whether the algorithm's state is shaped like the fragment, in float32 (DiLoCo's
+        momentum): then it is downloaded into, and updated in, a buffer of the closer's."""
+        specs = self.layout.specs[fragment]
+        return tuple(self.algorithm.state_specs(specs)) == tuple(specs) and all(
+            spec.dtype == "torch.float32" for spec in specs
+        )
 
-        # The downloads overlap; with several contributors this is most of a round's latency.
-        tensors = await asyncio.gather(*(local(snap) for _, snap in usable))
-        contributions: list[tuple[str, int, Mapping[str, torch.Tensor]]] = []
-        listed: list[p.Contribution] = []
-        for (key, snap), values in zip(usable, tensors, strict=True):
-            if isinstance(values, ProtocolError):
-                excluded.append(_exclusion(key, values))
-                continue
-            contributions.append((snap.learner, snap.samples, values))
-            listed.append(p.Contribution(snap.learner, snap.samples, snap.payload))
-        for x in excluded:
-            _log.warning("round %d: excluded %s: %s", r, x.key, x.reason)
-        if not contributions:
-            raise ProtocolError(
-                f"round {r}: no usable snapshot among {len(snaps)} listed"
-                + "".join(f"; {x.reason}" for x in excluded)
+    async def _sums(
+        self,
+        r: int,
+        usable: list[tuple[str, p.Snapshot]],
+        excluded: list[p.Exclusion],
+        own_payload: str,
+        own_snapshot: Mapping[str, torch.Tensor],
+        like: Mapping[str, torch.Tensor],
+    ) -> tuple[dict[str, torch.Tensor], list[p.Contribution]]:
+        """The contributions' weighted sums (the algorithm's weights, learner-id order,
+        float32), streamed: each downloaded snapshot is added part by part into one
+        accumulator, so memory does not grow with the number of contributors.
+
+        A snapshot found unusable part-way (missing, corrupt, not this fragment's shapes)
+        has already been partly added: it is excluded and the sums start again without it
+        (re-reading the others), so a round commits exactly the contributions it lists."""
+        fragment = r % self.layout.count
+        specs = self.layout.specs[fragment]
+        buffers = self.layout.buffer_names(fragment)
+        ordered = sorted(usable, key=lambda item: item[1].learner)
+        for _ in range(len(ordered) + 1):
+            if not ordered:
+                raise ProtocolError(
+                    f"round {r}: no usable snapshot among the {len(usable) + len(excluded)} "
+                    "listed" + "".join(f"; {x.reason}" for x in excluded)
+                )
+            params_w, buffers_w = self.algorithm.weights(
+                [(snap.learner, snap.samples) for _, snap in ordered], self.learner
             )
-        return base, base_params, momentum, contributions, listed, excluded
+            sums = self._params_out.take(like)
+            await asyncio.to_thread(_zero, sums)
+            flat = {name: tensor.view(-1) for name, tensor in sums.items()}
+            failed = None
+            for i, (key, snap) in enumerate(ordered):
+                weights = {name: buffers_w[i] if name in buffers else params_w[i] for name in sums}
+                if snap.learner == self.learner and snap.payload == own_payload:
+                    # Our own: no need to download it.
+                    await asyncio.to_thread(_add_whole, flat, own_snapshot, weights)
+                    continue
+
+                try:
+                    sink = fixed(_adder(flat, weights))
+                    await stream_tensors(self.box, snap.payload, specs, sink)
+                except ProtocolError as exc:  # corrupt, missing, not this fragment's shapes
+                    failed = (key, exc)
+                    break
+            if failed is None:
+                listed = [p.Contribution(s.learner, s.samples, s.payload) for _, s in ordered]
+                return sums, listed
+            bad, error = failed
+            excluded.append(_exclusion(bad, error))
+            _log.warning("round %d: excluded %s: %s; summing again without it", r, bad, error)
+            ordered = [item for item in ordered if item[0] != bad]
+        raise AssertionError("unreachable: every pass excludes one snapshot")
 
     async def _close(
         self,
@@ -366,55 +412,54 @@ class RoundCloser:
         base_params: Mapping[str, torch.Tensor] | None,
     ) -> Outcome:
         fragment = r % self.layout.count
-        # The momentum this closer computed last for this fragment, taken out of the cache
-        # for the whole close: the combine below overwrites it (see the comment there).
+        # The momentum this closer computed last (it caches one fragment's), taken out of
+        # the cache for the whole close: the outer step below overwrites it in place. That
+        # prevents the race of a close that fails after the update leaving the cache
+        # naming the previous momentum's key over bytes since overwritten: the retry, or
+        # the next round, would silently combine with the wrong momentum. It goes back
+        # only if nothing was written into it; a buffer whose upload failed is dropped,
+        # never reused (gather lets the other payload's encode run on, reading it).
+        # Downloaded momentum goes into a buffer of the closer's own pool and is updated
+        # there. The new parameters are the accumulator of the sums, from the pool shared
+        # with the syncer: they go to the training thread (staged, applied, then kept as
+        # the reference and as the base of this fragment's next round), which holds
+        # references the closer cannot see, so the pool reuses a buffer only once no
+        # tensor anywhere still refers to it (payload/buffers.py).
         taken = self._momentum.pop(fragment, None)
         try:
-            base, base_params, momentum, contributions, listed, excluded = await self._inputs(
-                r, snaps, own_payload, own_snapshot, base_params, taken
+            base, base_params, momentum, usable, excluded = await self._inputs(
+                r, snaps, base_params, taken
+            )
+            for x in excluded:
+                _log.warning("round %d: excluded %s: %s", r, x.key, x.reason)
+            sums, listed = await self._sums(
+                r, usable, excluded, own_payload, own_snapshot, base_params
             )
         except BaseException:
             if taken is not None:  # not written yet: it still holds what its key names
                 self._momentum.setdefault(fragment, taken)
             raise
-        # Buffer reuse, momentum only: the new momentum is written over the closer's previous
-        # momentum of this fragment (in place when that is this round's input, which combine
-        # allows: the update is element-wise), saving a fresh fragment-sized allocation and
-        # its page faults per round. Those buffers are the closer's alone: combine's output,
-        # cached only once both payloads were stored (their encodes had copied the bytes),
-        # never handed out. Keeping them out of the cache until this close has stored its
-        # payloads prevents the race of a close that fails after the combine leaving the
-        # cache naming the previous momentum's key over bytes since overwritten: the retry,
-        # or the next round, would silently combine with the wrong momentum. A buffer whose
-        # upload failed is dropped, never reused: gather lets the other payload's encode run
-        # on, reading it. Downloaded momentum is never written (a read-only view of the
-        # mailbox's bytes). The new parameters go to the training thread (staged, applied,
-        # then kept as the reference and as the base of this fragment's next round), which
-        # holds references the closer cannot see: they come from a pool that reuses a
-        # buffer only once no tensor anywhere still refers to its storage (payload/buffers.py).
-        params_out = self._params_out.take(fragment, base_params)
-        out: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
-        if tuple(self.algorithm.state_specs(self.layout.specs[fragment])) == tuple(
-            self.layout.specs[fragment]
-        ):  # state shaped like the fragment (DiLoCo's momentum): written in place
-            if taken is not None:
-                out = (params_out, taken[1])
-            else:
-                out = (params_out, {name: torch.empty_like(t) for name, t in params_out.items()})
-        params, new_momentum = self.algorithm.combine(
+        state_out: dict[str, torch.Tensor] | None = None
+        if self._in_place(fragment):
+            state_out = momentum if momentum is not None else self._state_pool.take(base_params)
+        params, new_momentum = await asyncio.to_thread(
+            _finish,
+            self.algorithm,
             base_params,
             momentum,
-            contributions,
-            out=out,
-            buffer_names=self.layout.buffer_names(fragment),
-            closer=self.learner,
+            sums,
+            state_out,
+            self.layout.buffer_names(fragment),
         )
         (params_key, _), (momentum_key, _) = await asyncio.gather(
             retrying(partial(put_tensors, self.box, params)),
             retrying(partial(put_tensors, self.box, new_momentum)),
         )
-        # Cached whether the round record below wins or loses: they are momentum_key's bytes.
-        self._momentum[fragment] = (momentum_key, new_momentum)
+        # Cached whether the round record below wins or loses: they are momentum_key's
+        # bytes. One fragment's only: the others' would pin a fragment each between rounds.
+        self._momentum.clear()
+        if state_out is not None:
+            self._momentum[fragment] = (momentum_key, new_momentum)
         commit = p.Commit(
             round=r,
             fragment=fragment,
@@ -488,3 +533,39 @@ class RoundCloser:
         old = await sweep_after(self.box, commit, self.layout.count, self.keep_rounds, base)
         for r in [r for r in self._records if r <= old]:
             del self._records[r]
+
+
+def _zero(tensors: Mapping[str, torch.Tensor]) -> None:
+    for tensor in tensors.values():
+        tensor.zero_()
+
+
+def _adder(flat: Mapping[str, torch.Tensor], weights: Mapping[str, float]) -> Sink:
+    """A stream sink adding each piece, weighted, into the flattened sums."""
+
+    def add(name: str, first: int, piece: torch.Tensor) -> None:
+        accumulate(flat[name], piece, weights[name], first)
+
+    return add
+
+
+def _add_whole(
+    flat: Mapping[str, torch.Tensor],
+    local: Mapping[str, torch.Tensor],
+    weights: Mapping[str, float],
+) -> None:
+    with torch.no_grad():
+        for name, acc in flat.items():
+            accumulate(acc, local[name], weights[name])
+
+
+def _finish(
+    algorithm: Algorithm,
+    base: Mapping[str, torch.Tensor],
+    state: Mapping[str, torch.Tensor] | None,
+    sums: dict[str, torch.Tensor],
+    state_out: dict[str, torch.Tensor] | None,
+    buffer_names: frozenset[str],
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    with torch.no_grad():
+        return algorithm.finish(base, state, sums, state_out=state_out, buffer_names=buffer_names)

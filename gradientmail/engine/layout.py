@@ -240,7 +240,7 @@ class ModelLayout:
             if pool is None or key is None:
                 copies.update((n, t.clone()) for n, t in host.items())
             elif host:
-                taken = pool.take(key, host, dtype=None)
+                taken = pool.take(host, dtype=None)
                 for name, value in host.items():
                     taken[name].copy_(value)
                 copies.update(taken)

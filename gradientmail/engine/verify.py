@@ -22,7 +22,7 @@ from functools import partial
 import torch
 
 from gradientmail import wire as p
-from gradientmail.algorithms.base import from_manifest
+from gradientmail.algorithms.base import combine, from_manifest
 from gradientmail.coord.retry import retrying
 from gradientmail.errors import ProtocolError
 from gradientmail.mailbox import Mailbox
@@ -97,8 +97,13 @@ async def verify_commit(box: Mailbox, r: int, manifest: p.Manifest | None = None
         contributions.append((c.learner, c.samples, local))
     # Buffers (kind "buffer") are averaged or the closer's copy, not outer-stepped.
     buffers = {spec.name for spec in specs if spec.kind == p.BUFFER}
-    expected_params, expected_momentum = algorithm.combine(
-        base_params, momentum, contributions, buffer_names=buffers, closer=commit.closer
+    expected_params, expected_momentum = combine(
+        algorithm,
+        base_params,
+        momentum,
+        contributions,
+        buffer_names=buffers,
+        closer=commit.closer,
     )
     if await _stored_key(box, expected_params, commit.params) != commit.params:
         raise ProtocolError(f"{key}: its parameters are not the combination its record names")

@@ -27,19 +27,20 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import os
 import struct
 import sys
 import warnings
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from gradientmail.errors import PayloadCorrupt, ProtocolError
+from gradientmail.ledger import DOWNLOAD, ENCODE, LEDGER
 from gradientmail.mailbox import Mailbox
+from gradientmail.payload.stream import read_new
+from gradientmail.payload.stream import workers as _workers
 from gradientmail.wire import TensorSpec, blob_key, is_parts_key, parts_key
 from gradientmail.wire.parts import (
     MAX_PARTS,
@@ -225,15 +226,6 @@ def _index(size: int, parts: Sequence[tuple[str, bytes] | tuple[str, int]]) -> t
 
 
 _OVERLAP_BYTES = 4 * 1024 * 1024
-_executor: ThreadPoolExecutor | None = None
-
-
-def _workers() -> ThreadPoolExecutor:
-    global _executor
-    if _executor is None:
-        workers = max(2, min(4, os.cpu_count() or 2))
-        _executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gm-hash")
-    return _executor
 
 
 class _Stream:
@@ -383,24 +375,30 @@ async def put_tensors(box: Mailbox, tensors: Mapping[str, torch.Tensor]) -> tupl
     and the payload's size. Idempotent.
 
     Encoding runs in worker threads: the calling loop keeps serving (beats, polls), and two
-    payloads (a commit's parameters and momentum) encode side by side.
+    payloads (a commit's parameters and momentum) encode side by side. A payload in parts
+    is a stream: at most :data:`_TRANSFERS` parts are joined or being written at once, so
+    encoding holds a few parts, never a copy of the whole payload (charged to ``encode``
+    in the ledger while held).
     """
     pieces, size = await asyncio.to_thread(_stream, tensors)  # .contiguous() may copy
     groups = _groups(pieces, size, None)
+    loop = asyncio.get_running_loop()
     if len(groups) == 1:
-        key, data = await asyncio.to_thread(_join_hashing, pieces, size)
-        await box.put_if_absent(key, data)  # False: the same bytes are already there
+        key, data = await loop.run_in_executor(_workers(), _join_hashing, pieces, size)
+        with LEDGER.holding(ENCODE, len(data)):
+            await box.put_if_absent(key, data)  # False: the same bytes are already there
         return key, size
     # Each part is stored as soon as a worker has joined and hashed it: the writes of the
-    # first parts overlap the encoding of the later ones.
-    loop = asyncio.get_running_loop()
+    # first parts overlap the encoding of the later ones. The semaphore is taken before the
+    # join, so no more than _TRANSFERS parts exist at once.
     limit = asyncio.Semaphore(_TRANSFERS)
 
     async def part(group: list[memoryview]) -> tuple[str, int]:
-        part_key, data = await loop.run_in_executor(_workers(), _join_then_hash, group)
         async with limit:
-            await box.put_if_absent(part_key, data)
-        return part_key, len(data)
+            part_key, data = await loop.run_in_executor(_workers(), _join_then_hash, group)
+            with LEDGER.holding(ENCODE, len(data)):
+                await box.put_if_absent(part_key, data)
+            return part_key, len(data)
 
     parts = await asyncio.gather(*(part(g) for g in groups))
     # The index last: whoever can read it (a record names it only after this returns, but a
@@ -416,15 +414,22 @@ async def get_tensors(
     expect: Sequence[TensorSpec] | None = None,
     *,
     into: Mapping[str, torch.Tensor] | None = None,
+    purpose: str = DOWNLOAD,
 ) -> dict[str, torch.Tensor]:
     """Read, verify and decode the payload ``key`` names (a blob, or a part index and its
     parts, fetched concurrently and verified on worker threads).
 
-    Returns read-only views into the received bytes; with ``into`` (contiguous CPU tensors
-    of the payload's names, dtypes and shapes: a model's parameters, a reused buffer), the
-    bytes are copied into those instead, once every part is verified, and they are
-    returned. Nothing is written into ``into`` when anything fails.
+    A blob decodes to read-only views into its bytes. A payload in parts is streamed into
+    fresh tensors (one contiguous buffer, charged to ``purpose`` in the ledger while it
+    lives): a few parts are held at a time, never the payload and a copy of it.
+
+    With ``into`` (contiguous CPU tensors of the payload's names, dtypes and shapes: a
+    model's parameters, a reused buffer), the bytes are copied into those instead, once
+    every part is verified, and they are returned. Nothing is written into ``into`` when
+    anything fails (so every part is held until then).
     """
+    if into is None and is_parts_key(key):
+        return await read_new(box, key, expect, purpose)
     data = await _get(box, key)
     if not is_parts_key(key):
         if len(data) < _OVERLAP_BYTES:
@@ -445,7 +450,7 @@ async def get_tensors(
         return blob
 
     chunks = await asyncio.gather(*(fetch(part) for part in parts))
-    # A thread: straddling tensors (or everything, with ``into``) are copied here.
+    # A thread: everything is copied into ``into`` here.
     return await asyncio.to_thread(_tensors, key, _Stream(chunks), expect, into)
 
 

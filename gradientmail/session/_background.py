@@ -33,8 +33,11 @@ from gradientmail.engine.closer import RoundCloser
 from gradientmail.engine.layout import ModelLayout
 from gradientmail.errors import ProtocolError
 from gradientmail.events import Counters, Event, PollFailed, Published, PublishFailed, RoundFailed
+from gradientmail.ledger import GLOBAL
 from gradientmail.mailbox import Mailbox
 from gradientmail.payload import get_tensors, put_tensors
+from gradientmail.payload.buffers import BufferPool
+from gradientmail.payload.stream import read_into
 from gradientmail.session._state import _TICK, _log_event, _Pending, _poll_delay, _Staged
 
 
@@ -49,6 +52,8 @@ class _Background:
     _closer: RoundCloser
     _closer_events: list[Event]
     _layout: ModelLayout
+    _globals: BufferPool
+    _ref: list[dict[str, torch.Tensor]]
     _tracker: LeaseTracker
     _heartbeat: Heartbeat
     _lock: threading.Lock
@@ -315,10 +320,18 @@ class _Background:
         """Download the newest of ``commits`` (one fragment's, oldest first) and stage it,
         remembering which of them held this learner's contributions."""
         newest = commits[-1]
-        params = await retrying(
-            partial(get_tensors, self._box, newest.params, self._layout.specs[fragment]),
-            stop=self._stop,
-        )
+        specs = self._layout.specs[fragment]
+        like = self._ref[fragment]
+        if like.keys() == {spec.name for spec in specs}:
+            # Streamed part by part into a pooled buffer: the download holds a few parts,
+            # and the buffer a previous commit of any fragment released.
+            into = self._globals.take(like, dtype=None)
+            params = await read_into(self._box, newest.params, specs, into, stop=self._stop)
+        else:
+            params = await retrying(
+                partial(get_tensors, self._box, newest.params, specs, purpose=GLOBAL),
+                stop=self._stop,
+            )
         mine = frozenset(
             (c.round, x.payload)
             for c in commits

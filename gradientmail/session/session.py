@@ -50,6 +50,7 @@ from gradientmail.events import (
     Left,
     PollFailed,
 )
+from gradientmail.ledger import GLOBAL, SNAPSHOTS
 from gradientmail.mailbox import Mailbox
 from gradientmail.mailbox.metered import Metered
 from gradientmail.payload.buffers import BufferPool
@@ -165,6 +166,11 @@ class Session(_TrainingSide, _Background):
         # The closer's events wait until its commit is staged: a slow on_event must not
         # delay the hand-over of the new parameters (the syncer would download them).
         self._closer_events: list[Event] = []
+        # Fragment copies handed to the communication thread, and commit parameters (a
+        # closer's sums, the syncer's downloads: both become the reference): each pool
+        # keeps one released buffer for reuse, whatever the number of fragments.
+        self._snapshots = BufferPool(SNAPSHOTS)
+        self._globals = BufferPool(GLOBAL)
         self._tracker = LeaseTracker(lease_timeout)
         self._closer = RoundCloser(
             self._box,
@@ -177,6 +183,7 @@ class Session(_TrainingSide, _Background):
             keep_rounds=keep_rounds,
             claim_timeout=float(claim_timeout),
             emit=self._closer_events.append,
+            global_pool=self._globals,
         )
 
         # Training-thread state (the lock guards what the background threads also touch).
@@ -191,9 +198,6 @@ class Session(_TrainingSide, _Background):
         self._wait_at = _NEVER
         self._phase = 0  # added to the step count for the schedule (see _schedule_phase)
         self._waiting_since: float | None = None  # when a wait in progress began
-        # Fragment copies handed to the communication thread: one is in flight per fragment
-        # at a time, so two sets per fragment suffice (a third would only pin memory).
-        self._snapshots = BufferPool(per_key=2)
         self._applied = [0] * self._fragments
         self._ref: list[dict[str, torch.Tensor]] = [{} for _ in range(self._fragments)]
         self._inflight: dict[int, _Pending] = {}

@@ -1,0 +1,427 @@
+"""Reading a payload as a stream of verified parts: memory bounded by a few parts, not by
+the payload.
+
+:func:`chunks` yields a payload's bytes in order, one verified blob (or part) at a time,
+with at most ``window`` parts fetched ahead; a part is let go once the consumer took it.
+:class:`Pieces` turns those chunks into element-aligned pieces of each tensor (1-D views
+into the chunk), after validating the safetensors header (and the expected layout) before
+any data is handed out. A tensor that straddles two parts comes as two pieces (an element
+cut by the boundary is joined from its bytes on both sides).
+
+:func:`stream_tensors` feeds every piece to a sink on a worker thread (a copy into a
+destination, a weighted accumulation into a closer's sum); :func:`read_into` copies a
+payload into given tensors. A failure part-way (a corrupt or missing part) raises after
+the sink saw the earlier pieces: callers write only into buffers they can discard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import struct
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Any
+
+import torch
+
+from gradientmail.coord.retry import retrying
+from gradientmail.errors import PayloadCorrupt, ProtocolError
+from gradientmail.ledger import DOWNLOAD, LEDGER
+from gradientmail.mailbox import Mailbox
+from gradientmail.wire import TensorSpec, is_parts_key
+from gradientmail.wire.parts import PartWire, parse_index, verify_blob
+
+__all__ = [
+    "WINDOW",
+    "Pieces",
+    "Sink",
+    "chunks",
+    "fixed",
+    "read_into",
+    "read_new",
+    "stream_tensors",
+    "workers",
+]
+
+WINDOW = 4
+"""Parts fetched ahead of the one being consumed (each at most ``PART_BYTES``)."""
+_MAX_HEADER = 100 * 1024 * 1024
+_VERIFY_ON_LOOP = 4 * 1024 * 1024  # smaller blobs are hashed on the loop, larger on a thread
+
+# (tensor name, index of the piece's first element in the flattened tensor, 1-D piece)
+Sink = Callable[[str, int, torch.Tensor], None]
+
+
+async def _get(box: Mailbox, key: str, of: str | None, stop: threading.Event | None) -> bytes:
+    data = await retrying(partial(box.get, key), stop=stop)
+    if data is None:
+        what = f"{of}: its part {key}" if of else key
+        raise ProtocolError(
+            f"{what}: the payload is missing (swept, or written to a different store)"
+        )
+    return data
+
+
+async def _verified(key: str, data: bytes) -> None:
+    if len(data) < _VERIFY_ON_LOOP:
+        verify_blob(key, data)
+    else:
+        await asyncio.to_thread(verify_blob, key, data)  # hashing releases the GIL
+
+
+async def chunks(
+    box: Mailbox,
+    key: str,
+    *,
+    window: int = WINDOW,
+    stop: threading.Event | None = None,
+) -> AsyncIterator[tuple[int, bytes]]:
+    """``(total size, chunk)`` for each verified chunk of the payload ``key``, in order.
+
+    Transient store failures are retried per object (until ``stop``); a missing object is
+    a :class:`ProtocolError`, one whose bytes do not match its name :class:`PayloadCorrupt`.
+    Received bytes are charged to ``download`` in the ledger until the consumer moves on.
+    """
+    data = await _get(box, key, None, stop)
+    if not is_parts_key(key):
+        await _verified(key, data)
+        with LEDGER.holding(DOWNLOAD, len(data)):
+            yield len(data), data
+        return
+    parts = parse_index(key, data)
+    total = sum(part["size"] for part in parts)
+
+    async def fetch(part: PartWire) -> bytes:
+        blob = await _get(box, part["key"], key, stop)
+        if len(blob) != part["size"]:
+            raise PayloadCorrupt(
+                f"{key}: part {part['key']} holds {len(blob)} bytes, the index says {part['size']}"
+            )
+        await _verified(part["key"], blob)
+        LEDGER.add(DOWNLOAD, len(blob))  # no await after this: charged iff the task is done
+        return blob
+
+    todo = iter(parts)
+    ahead: deque[asyncio.Task[bytes]] = deque()
+
+    def more() -> None:
+        part = next(todo, None)
+        if part is not None:
+            ahead.append(asyncio.ensure_future(fetch(part)))
+
+    for _ in range(max(1, window)):
+        more()
+    try:
+        while ahead:
+            blob = await ahead.popleft()
+            more()
+            try:
+                yield total, blob
+            finally:
+                LEDGER.sub(DOWNLOAD, len(blob))
+    finally:
+        for task in ahead:
+            if task.done() and not task.cancelled() and task.exception() is None:
+                LEDGER.sub(DOWNLOAD, len(task.result()))
+            else:
+                task.cancel()
+        for task in ahead:
+            if not task.done():
+                with _suppress_all():
+                    await task
+
+
+class _suppress_all:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> bool:
+        return True
+
+
+_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class _Entry:
+    __slots__ = ("begin", "carry", "dtype", "end", "itemsize", "name", "shape")
+
+    def __init__(
+        self, name: str, dtype: torch.dtype, shape: list[int], begin: int, end: int
+    ) -> None:
+        self.name = name
+        self.dtype = dtype
+        self.shape = shape
+        self.begin = begin  # absolute byte offsets in the stream
+        self.end = end
+        self.itemsize = torch.empty(0, dtype=dtype).element_size()
+        self.carry = b""  # the bytes of an element cut by a chunk boundary
+
+
+def entries(
+    key: str, header: Any, start: int, size: int, expect: Sequence[TensorSpec] | None
+) -> list[_Entry]:
+    """The header's tensors, validated (offsets, shapes, and ``expect`` when given)."""
+    if not isinstance(header, dict):
+        raise ProtocolError(f"{key}: the safetensors header is not an object")
+    header.pop("__metadata__", None)
+    found: list[_Entry] = []
+    for name, info in header.items():
+        try:
+            dtype = _DTYPES[str(info["dtype"])]
+            shape = [int(n) for n in info["shape"]]
+            begin, end = (int(n) for n in info["data_offsets"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError(f"{key}: bad safetensors entry for {name!r} ({exc!r})") from exc
+        count = 1
+        for n in shape:
+            if n < 0:
+                raise ProtocolError(f"{key}: {name!r} has a negative dimension")
+            count *= n
+        entry = _Entry(name, dtype, shape, start + begin, start + end)
+        if begin < 0 or end - begin != count * entry.itemsize or start + end > size:
+            raise ProtocolError(f"{key}: {name!r} has inconsistent offsets or shape")
+        found.append(entry)
+    if expect is not None:
+        wanted = {spec.name: spec for spec in expect}
+        names = {entry.name for entry in found}
+        if names != set(wanted):
+            missing = sorted(set(wanted) - names)[:3]
+            extra = sorted(names - set(wanted))[:3]
+            raise ProtocolError(
+                f"{key}: tensors differ from the manifest (missing {missing}, unexpected {extra})"
+            )
+        for entry in found:
+            spec = wanted[entry.name]
+            if tuple(entry.shape) != spec.shape or str(entry.dtype) != spec.dtype:
+                raise ProtocolError(
+                    f"{key}: {entry.name} is {entry.dtype}{entry.shape}, the manifest says "
+                    f"{spec.dtype}{list(spec.shape)}"
+                )
+    found.sort(key=lambda entry: entry.begin)
+    return found
+
+
+class Pieces:
+    """Element-aligned pieces of a payload's tensors, from its chunks in order."""
+
+    def __init__(self, key: str, size: int, expect: Sequence[TensorSpec] | None) -> None:
+        self.key = key
+        self.size = size
+        self.expect = expect
+        self.entries: list[_Entry] | None = None  # known once the header is read
+        self._head = b""  # the stream's first bytes, until the header is complete
+        self._pos = 0  # stream offset of the next chunk
+
+    def feed(self, chunk: bytes) -> list[tuple[str, int, torch.Tensor]]:
+        """The pieces ``chunk`` completes (the header is validated first)."""
+        start = self._pos
+        self._pos += len(chunk)
+        if self.entries is None:
+            # The header comes first; it is almost always whole in the first chunk (then
+            # read in place, not copied).
+            self._head = chunk if not self._head else self._head + bytes(chunk)
+            if not self._header():
+                self._head = bytes(self._head)
+                return []
+            chunk, start = self._head, 0
+            self._head = b""
+        assert self.entries is not None
+        pieces: list[tuple[str, int, torch.Tensor]] = []
+        stop = start + len(chunk)
+        for entry in self.entries:
+            lo, hi = max(entry.begin, start), min(entry.end, stop)
+            if lo >= hi:
+                continue
+            at = lo - start  # in the chunk
+            done = lo - entry.begin  # bytes of the tensor before this piece
+            if entry.carry:  # the element the previous chunk cut: complete it
+                take = min(entry.itemsize - len(entry.carry), hi - lo)
+                entry.carry += bytes(memoryview(chunk)[at : at + take])
+                at, done = at + take, done + take
+                if len(entry.carry) < entry.itemsize:
+                    continue
+                element = torch.frombuffer(bytearray(entry.carry), dtype=entry.dtype)
+                entry.carry = b""
+                pieces.append((entry.name, done // entry.itemsize - 1, element))
+            usable = hi - start - at
+            whole = usable - usable % entry.itemsize
+            if whole:
+                view = torch.frombuffer(
+                    chunk, dtype=entry.dtype, count=whole // entry.itemsize, offset=at
+                )
+                pieces.append((entry.name, done // entry.itemsize, view))
+            if usable > whole:
+                entry.carry = bytes(memoryview(chunk)[at + whole : at + usable])
+        return pieces
+
+    def _header(self) -> bool:
+        head = self._head
+        if len(head) < 8:
+            return False
+        (length,) = struct.unpack_from("<Q", head, 0)
+        if length > min(_MAX_HEADER, self.size - 8):
+            raise ProtocolError(f"{self.key}: the safetensors header claims {length} bytes")
+        if len(head) < 8 + length:
+            return False
+        try:
+            header = json.loads(head[8 : 8 + length])
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ProtocolError(f"{self.key}: the safetensors header is not JSON ({exc})") from exc
+        self.entries = entries(self.key, header, 8 + length, self.size, self.expect)
+        return True
+
+    def finish(self) -> None:
+        """Check that the stream ended where its size said and held a whole header."""
+        if self.entries is None:
+            raise ProtocolError(f"{self.key}: {self._pos} bytes cannot hold a safetensors header")
+        if self._pos != self.size:
+            raise PayloadCorrupt(f"{self.key}: {self._pos} bytes read, {self.size} expected")
+
+
+async def stream_tensors(
+    box: Mailbox,
+    key: str,
+    expect: Sequence[TensorSpec] | None,
+    prepare: Callable[[list[_Entry]], Sink],
+    *,
+    stop: threading.Event | None = None,
+    window: int = WINDOW,
+) -> list[_Entry]:
+    """Feed every piece of the payload ``key``, in stream order, to the sink ``prepare``
+    returns when called with the validated entries (once the header is read, before any
+    data); sinks run on a worker thread, a chunk at a time. Returns the entries."""
+    pieces: Pieces | None = None
+    target: Sink | None = None
+    loop = asyncio.get_running_loop()
+    async for size, chunk in chunks(box, key, window=window, stop=stop):
+        if pieces is None:
+            pieces = Pieces(key, size, expect)
+        found = pieces.feed(chunk)
+        if target is None and pieces.entries is not None:
+            target = prepare(pieces.entries)
+        if found:
+            assert target is not None
+            await loop.run_in_executor(workers(), _deliver, target, found)
+    assert pieces is not None
+    pieces.finish()
+    assert pieces.entries is not None
+    return pieces.entries
+
+
+def fixed(sink: Sink) -> Callable[[list[_Entry]], Sink]:
+    """For :func:`stream_tensors`: the same ``sink`` whatever the entries."""
+    return lambda _: sink
+
+
+def _deliver(sink: Sink, found: list[tuple[str, int, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for name, first, piece in found:
+            sink(name, first, piece)
+
+
+_pool: ThreadPoolExecutor | None = None
+
+
+def workers() -> ThreadPoolExecutor:
+    """The payload worker threads (hashing, joining, copying): a few, shared by every
+    transfer of the process, so the allocator's per-thread arenas stay few too."""
+    global _pool
+    if _pool is None:
+        count = max(2, min(4, os.cpu_count() or 2))
+        _pool = ThreadPoolExecutor(max_workers=count, thread_name_prefix="gm-hash")
+    return _pool
+
+
+async def read_into(
+    box: Mailbox,
+    key: str,
+    expect: Sequence[TensorSpec] | None,
+    into: Mapping[str, torch.Tensor],
+    *,
+    stop: threading.Event | None = None,
+) -> dict[str, torch.Tensor]:
+    """Copy the payload ``key`` into ``into`` (contiguous tensors of its names, dtypes and
+    shapes), part by part; returns ``into``. On a failure ``into`` holds a partial copy."""
+    flat = {name: tensor.view(-1) for name, tensor in into.items()}
+    for name, tensor in into.items():
+        if not tensor.is_contiguous():
+            raise ValueError(f"{key}: into[{name!r}] must be contiguous")
+
+    def copy(name: str, first: int, piece: torch.Tensor) -> None:
+        flat[name][first : first + piece.numel()].copy_(piece)
+
+    sink = _checked(key, into, copy)
+    found = await stream_tensors(box, key, expect, fixed(sink), stop=stop)
+    missing = set(into) - {entry.name for entry in found}
+    if missing:
+        raise ValueError(f"{key}: the payload lacks {sorted(missing)[:3]}")
+    return dict(into)
+
+
+def _checked(key: str, into: Mapping[str, torch.Tensor], sink: Sink) -> Sink:
+    """``sink``, refusing pieces of tensors ``into`` lacks or holds in another dtype."""
+
+    def checked(name: str, first: int, piece: torch.Tensor) -> None:
+        target = into.get(name)
+        if target is None:
+            raise ValueError(f"{key}: into= lacks {name!r}")
+        if target.dtype != piece.dtype or first + piece.numel() > target.numel():
+            raise ValueError(f"{key}: into[{name!r}] is {target.dtype}{list(target.shape)}")
+        sink(name, first, piece)
+
+    return checked
+
+
+async def read_new(
+    box: Mailbox,
+    key: str,
+    expect: Sequence[TensorSpec] | None,
+    purpose: str = DOWNLOAD,
+    *,
+    stop: threading.Event | None = None,
+) -> dict[str, torch.Tensor]:
+    """The payload ``key`` streamed into fresh tensors carved from one buffer (charged to
+    ``purpose`` in the ledger while it lives)."""
+    out: dict[str, torch.Tensor] = {}
+
+    def prepare(found: list[_Entry]) -> Sink:
+        out.update(_allocate(found, purpose))
+        flat = {name: tensor.view(-1) for name, tensor in out.items()}
+
+        def copy(name: str, first: int, piece: torch.Tensor) -> None:
+            flat[name][first : first + piece.numel()].copy_(piece)
+
+        return copy
+
+    await stream_tensors(box, key, expect, prepare, stop=stop)
+    return out
+
+
+def _allocate(found: Sequence[_Entry], purpose: str) -> dict[str, torch.Tensor]:
+    sizes = [entry.end - entry.begin for entry in found]
+    flat = torch.empty(sum(-(-n // 64) * 64 for n in sizes), dtype=torch.uint8)
+    if flat.numel():
+        LEDGER.track(purpose, flat.untyped_storage(), flat.numel())
+    out: dict[str, torch.Tensor] = {}
+    offset = 0
+    for entry, nbytes in zip(found, sizes, strict=True):
+        view = flat[offset : offset + nbytes].view(entry.dtype).view(entry.shape)
+        out[entry.name] = view
+        offset += -(-nbytes // 64) * 64
+    return out
