@@ -1,0 +1,272 @@
+"""Host memory stays bounded: payloads stream in parts, the closer's sums do not grow with
+the number of contributors, and nothing grows with the number of rounds.
+
+The sizes themselves are measured by ``bench/memory.py``; these tests check the
+invariants: pieces reassemble to the same bits however a payload is cut, summing in pieces
+is bitwise summing whole, a part found corrupt half-way is excluded without a trace in the
+commit, the closer's buffers are the same for 2 and 8 contributors, and a long run's
+allocations (the library's ledger for tensors, ``tracemalloc`` for Python objects) stop
+growing once warm.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import tracemalloc
+from typing import Any
+
+import pytest
+import torch
+
+import gradientmail as gm
+from gradientmail import wire as p
+from gradientmail.algorithms.base import accumulate, weighted_sum
+from gradientmail.engine.verify import verify_commit
+from gradientmail.ledger import DOWNLOAD, GLOBAL, LEDGER, MOMENTUM
+from gradientmail.payload import get_tensors, put_tensors, transfer
+from gradientmail.payload.buffers import BufferPool
+from gradientmail.payload.stream import WINDOW, read_into
+from gradientmail.wire.parts import parse_index
+from tests.test_closer_faults import Run, go
+
+MIXED = {
+    "a.bf16": (333,),
+    "b.f32": (17, 9),
+    "c.i64": (7,),
+    "d.empty": (0, 4),
+    "e.f64": (101,),
+    "f.bool": (13,),
+}
+DTYPES = {
+    "bf16": torch.bfloat16,
+    "f32": torch.float32,
+    "i64": torch.int64,
+    "empty": torch.float32,
+    "f64": torch.float64,
+    "bool": torch.bool,
+}
+
+
+def _mixed(seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in MIXED.items():
+        dtype = DTYPES[name.split(".")[1]]
+        values = torch.randn(shape, generator=generator) * 100
+        out[name] = values.to(dtype) if dtype != torch.bool else values > 0
+    return out
+
+
+@pytest.fixture
+def part_bytes(monkeypatch: pytest.MonkeyPatch) -> Any:
+    def set_to(n: int) -> None:
+        monkeypatch.setattr(transfer, "PART_BYTES", n)
+
+    return set_to
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, 8, 13, 64, 255, 1000, 1 << 20])
+def test_a_payload_cut_anywhere_streams_back_bit_for_bit(part_bytes: Any, size: int) -> None:
+    """Parts cut tensors, elements and the header anywhere; the stream reassembles them."""
+    part_bytes(size)
+    tensors = _mixed(size)
+    box = gm.MemoryMailbox()
+    key, _ = go(put_tensors(box, tensors))
+    assert p.is_parts_key(key) == (size < 4000)
+    fresh = go(get_tensors(box, key))
+    into = {name: torch.empty_like(value) for name, value in tensors.items()}
+    go(read_into(box, key, None, into))
+    for name, value in tensors.items():
+        assert fresh[name].dtype == value.dtype
+        assert fresh[name].shape == value.shape
+        assert torch.equal(fresh[name], value), name
+        assert torch.equal(into[name], value), name
+
+
+def test_a_stream_holds_a_window_of_parts_not_the_payload(part_bytes: Any) -> None:
+    """Downloading a payload of 64 parts charges at most WINDOW (+ the one consumed) parts
+    to ``download`` at once; encoding one holds at most four parts."""
+    part_bytes(4096)
+    tensors = {"w": torch.randn(64 * 1024)}  # 256 KiB: 64 parts
+    box = gm.MemoryMailbox()
+    LEDGER.usage(reset=True)
+    key, size = go(put_tensors(box, tensors))
+    encoded = LEDGER.usage(reset=True)
+    assert 0 < encoded.peak["encode"] <= 4 * 4096 < size
+    got = go(get_tensors(box, key))
+    downloaded = LEDGER.usage()
+    assert torch.equal(got["w"], tensors["w"])
+    assert 0 < downloaded.peak[DOWNLOAD] - downloaded.live[DOWNLOAD] <= (WINDOW + 1) * 4096
+    assert downloaded.peak[DOWNLOAD] < 2 * size  # the destination and a few parts, not more
+
+
+def test_summing_in_pieces_is_bitwise_summing_whole() -> None:
+    """The closer adds each contribution part by part (cut at arbitrary elements); verify
+    adds whole tensors. They agree bit for bit."""
+    algorithm = gm.DiLoCo(outer_lr=0.7, outer_momentum=0.9)
+    rng = random.Random(0)
+    like = {"w": torch.zeros(100_003), "b": torch.zeros(37, 11)}
+    contributions = [
+        (name, samples, {k: torch.randn(v.shape) * 3 for k, v in like.items()})
+        for name, samples in (("a", 3), ("b", 5), ("c", 7))
+    ]
+    whole = weighted_sum(algorithm, like, contributions)
+    weights, _ = algorithm.weights([(c[0], c[1]) for c in contributions], None)
+    pieces = {k: torch.zeros(v.shape) for k, v in like.items()}
+    for (_, _, local), weight in zip(contributions, weights, strict=True):
+        for name, value in local.items():
+            flat = value.reshape(-1)
+            cuts = sorted({0, flat.numel(), *(rng.randrange(flat.numel()) for _ in range(20))})
+            for lo, hi in itertools.pairwise(cuts):
+                accumulate(pieces[name], flat[lo:hi], weight, lo)
+    for name in like:
+        assert torch.equal(whole[name].view(torch.int32), pieces[name].view(torch.int32))
+
+
+def _corrupt_part(run: Run, tensors: dict[str, torch.Tensor]) -> str:
+    """Store ``tensors`` in parts, a part half-way with a byte flipped (the first parts
+    hold the header, shared by every payload of the layout); return the index key."""
+    scratch = gm.MemoryMailbox()
+    key, _ = go(put_tensors(scratch, tensors))
+    parts = parse_index(key, go(scratch.get(key)) or b"")
+    which = len(parts) // 2
+    assert len(parts) > which + 1
+    for i, part in enumerate(parts):
+        data = go(scratch.get(part["key"])) or b""
+        if i == which:
+            data = data[:-1] + bytes([data[-1] ^ 0xFF])
+        go(run.store.put_if_absent(part["key"], data))
+    go(run.store.put_if_absent(key, go(scratch.get(key)) or b""))
+    return key
+
+
+def test_a_part_corrupt_halfway_excludes_the_snapshot_and_the_sums_start_again(
+    part_bytes: Any,
+) -> None:
+    """Learner ``b``'s payload is good up to a part half-way: its first parts were already
+    added when the corrupt one is found. The commit must hold exactly ``a`` and ``c``."""
+    part_bytes(64)
+    run = Run()
+    own = run.publish(1, "a")
+    base = run.params[0]
+    broken = {k: v + 0.01 * torch.randn(v.shape) for k, v in base.items()}
+    run.publish(1, "b", payload=_corrupt_part(run, broken))
+    run.publish(1, "c")
+    outcome = run.close(run.closer("a", run.tracker("a", "b", "c")), 1, own)
+    assert outcome is not None
+    assert outcome.params is not None
+    commit = outcome.commit
+    assert [c.learner for c in commit.contributors] == ["a", "c"]
+    assert [x.learner for x in commit.excluded] == ["b"]
+    assert "PayloadCorrupt" in commit.excluded[0].reason
+    # Recomputed from whole tensors of a and c alone: the same bits.
+    verified = go(verify_commit(run.store, 1, run.manifest))
+    assert verified.contributors == ("a", "c")
+
+
+def _close_with(contributors: int) -> dict[str, int]:
+    """The ledger's peaks (above what was held before) while a closer sums ``contributors``
+    snapshots of a fragment stored in many parts, in its second round (momentum too)."""
+    run = Run()
+    learners = [f"l{i}" for i in range(contributors)]
+    peaks: dict[str, int] = {}
+    for r in (1, 2):
+        own = run.publish(r, learners[0])
+        for learner in learners[1:]:
+            run.publish(r, learner)
+        closer = run.closer(learners[0], run.tracker(*learners))
+        if r == 2:  # a fresh closer: it downloads the momentum too
+            before = LEDGER.usage(reset=True)
+        outcome = run.close(closer, r, own)
+        assert outcome is not None
+        assert len(outcome.commit.contributors) == contributors
+    after = LEDGER.usage()
+    for purpose in (GLOBAL, MOMENTUM, DOWNLOAD):
+        peaks[purpose] = after.peak[purpose] - before.live[purpose]
+    return peaks
+
+
+def test_the_closers_memory_does_not_grow_with_the_number_of_contributors(
+    part_bytes: Any,
+) -> None:
+    part_bytes(128)
+    two, eight = _close_with(2), _close_with(8)
+    # One accumulator (the new parameters) and one momentum buffer, whatever the count.
+    assert two[GLOBAL] == eight[GLOBAL] > 0
+    assert two[MOMENTUM] == eight[MOMENTUM] > 0
+    # Downloads: a window of parts at a time (the momentum streams into its buffer).
+    assert 0 < eight[DOWNLOAD] <= (WINDOW + 1) * 128
+
+
+def test_a_pool_keeps_one_idle_buffer_whatever_the_number_of_fragments() -> None:
+    pool = BufferPool(GLOBAL, idle=1)
+    like = [{"w": torch.zeros(1000 + f)} for f in range(4)]
+    held = [pool.take(x) for x in like]  # four busy buffers (a learner's references)
+    assert pool.idle_bytes() == 0
+    for f in range(4):  # each fragment gets a new commit; the old one is released
+        new = pool.take(like[f])
+        held[f] = new
+        assert pool.idle_bytes() <= max(b.nbytes for b in pool._buffers)
+    assert pool.reused >= 3  # the buffers released by earlier fragments served later ones
+    del held, new
+    pool.trim()
+    assert len(pool._buffers) == 1
+
+
+def test_a_long_run_stops_growing_once_warm(tmp_path: Any) -> None:
+    """One learner alone (it closes every round itself) on a file mailbox (the store's
+    growth is on disk): from round 50 to round 210 the library's tensors held and its
+    Python allocations do not grow. Each is the least of three looks a few rounds apart,
+    so an object in flight at one look does not count."""
+    algorithm = gm.DiLoCo(sync_every=2, fragments=2, outer_lr=0.7, outer_momentum=0.9)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    looks = {200: "then", 220: "then", 240: "then", 840: "now", 860: "now", 880: "now"}
+    seen: dict[str, list[tuple[int, int]]] = {"then": [], "now": []}
+    with gm.Session(
+        model,
+        algorithm=algorithm,
+        mailbox=gm.FileMailbox(tmp_path),
+        learner_id="solo",
+        poll_interval=0.02,
+    ) as session:
+        tracemalloc.start()
+        try:
+            for step in range(1, 881):
+                with torch.no_grad():
+                    for param in model.parameters():
+                        param.add_(0.001)
+                session.step()
+                if step in looks:
+                    session.events.clear()  # bounded (1000), but filling up is not a leak
+                    seen[looks[step]].append((LEDGER.usage().live_total, _traced_in_library()))
+        finally:
+            tracemalloc.stop()
+    assert min(t for t, _ in seen["now"]) <= min(t for t, _ in seen["then"])
+    then, now = min(x for _, x in seen["then"]), min(x for _, x in seen["now"])
+    # A leak of 30 bytes per sync point would add 9 KB over these 320 sync points.
+    assert now - then < 8192, (then, now)
+
+
+def _traced_in_library() -> int:
+    snapshot = tracemalloc.take_snapshot().filter_traces(
+        [tracemalloc.Filter(True, "*/gradientmail/*")]
+    )
+    return sum(stat.size for stat in snapshot.statistics("filename"))
+
+
+def test_memory_usage_is_public_and_reports_every_purpose() -> None:
+    usage = gm.memory_usage()
+    assert isinstance(usage, gm.MemoryUsage)
+    assert (
+        set(usage.live)
+        == set(usage.peak)
+        == {
+            "global",
+            "snapshots",
+            "momentum",
+            "encode",
+            "download",
+            "combine",
+        }
+    )
