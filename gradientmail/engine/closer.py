@@ -67,6 +67,7 @@ GIVE_UP_AFTER = 3  # failed closes of one claim attempt before its holder stops 
 _MAX_WATCHES = 1024  # rounds watched at once, at most (a safety net: see _prune)
 _REASON_CHARS = 300  # of an exclusion's reason, kept in the record
 _MAX_ATTEMPT = 10**4 - 1  # claim keys have four digits
+_PARTS_HELD = 4  # parts of the commit's two payloads encoded or being written at once
 _UNKNOWN = ""  # the holder of a claim whose record cannot be read: never a learner id
 
 
@@ -412,7 +413,8 @@ class RoundCloser:
         base_params: Mapping[str, torch.Tensor] | None,
     ) -> Outcome:
         fragment = r % self.layout.count
-        # The momentum this closer computed last (it caches one fragment's), taken out of
+        # The momentum this closer computed last (it caches one fragment's: each would pin
+        # a fragment-sized buffer between rounds), taken out of
         # the cache for the whole close: the outer step below overwrites it in place. That
         # prevents the race of a close that fails after the update leaving the cache
         # naming the previous momentum's key over bytes since overwritten: the retry, or
@@ -426,7 +428,12 @@ class RoundCloser:
         # references the closer cannot see, so the pool reuses a buffer only once no
         # tensor anywhere still refers to it (payload/buffers.py).
         taken = self._momentum.pop(fragment, None)
+        self._momentum.clear()  # another fragment's: its buffer goes back to the pool
         try:
+            if taken is not None and taken[0] != (await self._base(r)).momentum:
+                # Stale (another learner closed this fragment's last round): let go of it
+                # before the download below, which can then reuse its buffer.
+                taken = None
             base, base_params, momentum, usable, excluded = await self._inputs(
                 r, snaps, base_params, taken
             )
@@ -451,9 +458,11 @@ class RoundCloser:
             state_out,
             self.layout.buffer_names(fragment),
         )
+        # Both payloads encode side by side, sharing one limit on the parts held at once.
+        limit = asyncio.Semaphore(_PARTS_HELD)
         (params_key, _), (momentum_key, _) = await asyncio.gather(
-            retrying(partial(put_tensors, self.box, params)),
-            retrying(partial(put_tensors, self.box, new_momentum)),
+            retrying(partial(put_tensors, self.box, params, limit=limit)),
+            retrying(partial(put_tensors, self.box, new_momentum, limit=limit)),
         )
         # Cached whether the round record below wins or loses: they are momentum_key's
         # bytes. One fragment's only: the others' would pin a fragment each between rounds.

@@ -52,6 +52,7 @@ from gradientmail.coord.leases import LeaseTracker
 from gradientmail.coord.retry import retrying
 from gradientmail.engine.layout import ModelLayout
 from gradientmail.errors import PayloadCorrupt, ProtocolError
+from gradientmail.ledger import GLOBAL
 from gradientmail.mailbox import Mailbox
 from gradientmail.payload import get_tensors, put_tensors
 
@@ -356,7 +357,9 @@ async def load_newest(
                 data = await retrying(partial(box.get, key), deadline=deadline)
                 commit = p.decode_commit(key, data)
                 values = await retrying(
-                    partial(get_tensors, box, commit.params, layout.specs[fragment]),
+                    partial(
+                        get_tensors, box, commit.params, layout.specs[fragment], purpose=GLOBAL
+                    ),
                     deadline=deadline,
                 )
             except (ProtocolError, PayloadCorrupt) as exc:

@@ -370,7 +370,12 @@ def _tensors(
     return tensors
 
 
-async def put_tensors(box: Mailbox, tensors: Mapping[str, torch.Tensor]) -> tuple[str, int]:
+async def put_tensors(
+    box: Mailbox,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    limit: asyncio.Semaphore | None = None,
+) -> tuple[str, int]:
     """Store ``tensors`` as a blob (or parts and their index); return the key records name
     and the payload's size. Idempotent.
 
@@ -378,20 +383,23 @@ async def put_tensors(box: Mailbox, tensors: Mapping[str, torch.Tensor]) -> tupl
     payloads (a commit's parameters and momentum) encode side by side. A payload in parts
     is a stream: at most :data:`_TRANSFERS` parts are joined or being written at once, so
     encoding holds a few parts, never a copy of the whole payload (charged to ``encode``
-    in the ledger while held).
+    in the ledger while held). ``limit``: a semaphore shared by puts that run side by
+    side, so that together they hold no more parts than it allows.
     """
     pieces, size = await asyncio.to_thread(_stream, tensors)  # .contiguous() may copy
     groups = _groups(pieces, size, None)
     loop = asyncio.get_running_loop()
+    if limit is None:
+        limit = asyncio.Semaphore(_TRANSFERS)
     if len(groups) == 1:
-        key, data = await loop.run_in_executor(_workers(), _join_hashing, pieces, size)
-        with LEDGER.holding(ENCODE, len(data)):
-            await box.put_if_absent(key, data)  # False: the same bytes are already there
+        async with limit:
+            key, data = await loop.run_in_executor(_workers(), _join_hashing, pieces, size)
+            with LEDGER.holding(ENCODE, len(data)):
+                await box.put_if_absent(key, data)  # False: the same bytes are already there
         return key, size
     # Each part is stored as soon as a worker has joined and hashed it: the writes of the
     # first parts overlap the encoding of the later ones. The semaphore is taken before the
     # join, so no more than _TRANSFERS parts exist at once.
-    limit = asyncio.Semaphore(_TRANSFERS)
 
     async def part(group: list[memoryview]) -> tuple[str, int]:
         async with limit:

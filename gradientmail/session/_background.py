@@ -187,10 +187,11 @@ class _Background:
             )
         )
 
-    async def _close(self, pending: _Pending) -> None:
+    async def _close(self, pending: _Pending) -> bool:
+        """One look at closing ``pending``'s round; True when it closed (or adopted) it."""
         with self._lock:
             if pending.cancelled or pending.round <= self._known[pending.fragment]:
-                return
+                return False
         assert pending.payload is not None
         failure: Exception | None = None
         outcome = None
@@ -218,7 +219,7 @@ class _Background:
         if failure is not None:
             self._emit(RoundFailed(self.learner_id, round=pending.round, error=repr(failure)))
         if outcome is None:
-            return
+            return failure is not None  # a failed close also let go of its buffers
         if outcome.params is not None:
             try:
                 await self._closer.sweep(outcome.commit)
@@ -228,6 +229,7 @@ class _Background:
                 self._emit(
                     RoundFailed(self.learner_id, round=pending.round, error=f"sweep: {exc!r}")
                 )
+        return True
 
     def _stage(self, commit: p.Commit, params: dict[str, torch.Tensor]) -> bool:
         """Hand a verified commit to the training thread; False when it is not newer than

@@ -253,6 +253,12 @@ class _TrainingSide:
             with self._lock:
                 del self._inflight[fragment]
                 pending.cancelled = True
+                # Let go of its buffers now, whoever still holds the record (the
+                # communication thread may be sweeping with it in hand): the pools reuse
+                # them at the next sync point instead of making new ones. Anyone using
+                # them right now holds its own reference.
+                pending.snapshot = {}
+                pending.base_params = {}
                 published = pending.payload is not None
                 self._counters.applied += 1
                 if contributed:

@@ -53,6 +53,7 @@ from gradientmail.events import (
 from gradientmail.ledger import GLOBAL, SNAPSHOTS
 from gradientmail.mailbox import Mailbox
 from gradientmail.mailbox.metered import Metered
+from gradientmail.payload._malloc import share_arenas
 from gradientmail.payload.buffers import BufferPool
 from gradientmail.session._background import _Background
 from gradientmail.session._state import _default_learner_id, _Pending, _Staged
@@ -145,6 +146,7 @@ class Session(_TrainingSide, _Background):
         if not isinstance(keep_rounds, int) or keep_rounds < 1:
             raise ValueError(f"keep_rounds must be an int >= 1, not {keep_rounds!r}")
 
+        share_arenas()  # before this Session's threads start (payload/_malloc.py)
         self.algorithm = algorithm
         self.model = model
         self._layout = ModelLayout(model, algorithm)
