@@ -44,19 +44,20 @@ from functools import partial
 import torch
 
 from gradientmail import wire as p
-from gradientmail.algorithms.base import Algorithm, accumulate
+from gradientmail.algorithms.base import Algorithm
 from gradientmail.coord.election import abandoned, claim
 from gradientmail.coord.leases import LeaseTracker
 from gradientmail.coord.retry import retrying
 from gradientmail.coord.sweep import sweep_after
 from gradientmail.engine.layout import ModelLayout
+from gradientmail.engine.sums import Member, Unusable, weighted_sums
 from gradientmail.errors import ProtocolError
 from gradientmail.events import Committed, Event
 from gradientmail.ledger import GLOBAL, MOMENTUM
 from gradientmail.mailbox import Mailbox
 from gradientmail.payload import get_tensors, put_tensors
 from gradientmail.payload.buffers import BufferPool
-from gradientmail.payload.stream import Sink, fixed, read_into, stream_tensors
+from gradientmail.payload.stream import read_into
 from gradientmail.wire.parts import blob_keys
 
 __all__ = ["GIVE_UP_AFTER", "Outcome", "RoundCloser"]
@@ -374,33 +375,33 @@ class RoundCloser:
                     f"round {r}: no usable snapshot among the {len(usable) + len(excluded)} "
                     "listed" + "".join(f"; {x.reason}" for x in excluded)
                 )
-            params_w, buffers_w = self.algorithm.weights(
-                [(snap.learner, snap.samples) for _, snap in ordered], self.learner
-            )
-            sums = self._params_out.take(like)
-            await asyncio.to_thread(_zero, sums)
-            flat = {name: tensor.view(-1) for name, tensor in sums.items()}
-            failed = None
-            for i, (key, snap) in enumerate(ordered):
-                weights = {name: buffers_w[i] if name in buffers else params_w[i] for name in sums}
-                if snap.learner == self.learner and snap.payload == own_payload:
+            members = [
+                Member(
+                    snap.learner,
+                    snap.samples,
+                    snap.payload,
                     # Our own: no need to download it.
-                    await asyncio.to_thread(_add_whole, flat, own_snapshot, weights)
-                    continue
-
-                try:
-                    sink = fixed(_adder(flat, weights))
-                    await stream_tensors(self.box, snap.payload, specs, sink)
-                except ProtocolError as exc:  # corrupt, missing, not this fragment's shapes
-                    failed = (key, exc)
-                    break
-            if failed is None:
-                listed = [p.Contribution(s.learner, s.samples, s.payload) for _, s in ordered]
-                return sums, listed
-            bad, error = failed
-            excluded.append(_exclusion(bad, error))
-            _log.warning("round %d: excluded %s: %s; summing again without it", r, bad, error)
-            ordered = [item for item in ordered if item[0] != bad]
+                    own_snapshot
+                    if snap.learner == self.learner and snap.payload == own_payload
+                    else None,
+                )
+                for _, snap in ordered
+            ]
+            sums = self._params_out.take(like)
+            try:
+                await weighted_sums(
+                    self.box, self.algorithm, specs, buffers, members, self.learner, sums
+                )
+            except Unusable as failed:
+                bad = ordered[failed.index][0]
+                excluded.append(_exclusion(bad, failed.cause))
+                _log.warning(
+                    "round %d: excluded %s: %s; summing again without it", r, bad, failed.cause
+                )
+                ordered = [item for item in ordered if item[0] != bad]
+                continue
+            listed = [p.Contribution(s.learner, s.samples, s.payload) for _, s in ordered]
+            return sums, listed
         raise AssertionError("unreachable: every pass excludes one snapshot")
 
     async def _close(
@@ -542,30 +543,6 @@ class RoundCloser:
         old = await sweep_after(self.box, commit, self.layout.count, self.keep_rounds, base)
         for r in [r for r in self._records if r <= old]:
             del self._records[r]
-
-
-def _zero(tensors: Mapping[str, torch.Tensor]) -> None:
-    for tensor in tensors.values():
-        tensor.zero_()
-
-
-def _adder(flat: Mapping[str, torch.Tensor], weights: Mapping[str, float]) -> Sink:
-    """A stream sink adding each piece, weighted, into the flattened sums."""
-
-    def add(name: str, first: int, piece: torch.Tensor) -> None:
-        accumulate(flat[name], piece, weights[name], first)
-
-    return add
-
-
-def _add_whole(
-    flat: Mapping[str, torch.Tensor],
-    local: Mapping[str, torch.Tensor],
-    weights: Mapping[str, float],
-) -> None:
-    with torch.no_grad():
-        for name, acc in flat.items():
-            accumulate(acc, local[name], weights[name])
 
 
 def _finish(

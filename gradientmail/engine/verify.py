@@ -1,7 +1,8 @@
 """Recompute a commit from its round record and the previous commit of its fragment.
 
 Every commit names its contributors' payloads, the base commit and the outer momentum, and
-``DiLoCo.combine`` is deterministic, so any process can check that a closer did its job:
+a round (``engine/sums.py``, then the algorithm's ``finish``) is deterministic, so any
+process can check that a closer did its job:
 :func:`verify_commit` recomputes the new parameters and momentum and compares their
 content-addressed keys with the record's. It only reads. It needs the round's snapshot
 payloads and its base commit's payloads, which the sweep removes once ``keep_rounds - 1``
@@ -22,8 +23,9 @@ from functools import partial
 import torch
 
 from gradientmail import wire as p
-from gradientmail.algorithms.base import combine, from_manifest
+from gradientmail.algorithms.base import from_manifest
 from gradientmail.coord.retry import retrying
+from gradientmail.engine.sums import Member, Unusable, weighted_sums
 from gradientmail.errors import ProtocolError
 from gradientmail.mailbox import Mailbox
 from gradientmail.payload import encode, encode_payload, get_tensors
@@ -75,6 +77,7 @@ async def verify_commit(box: Mailbox, r: int, manifest: p.Manifest | None = None
         if commit.contributors or commit.base is not None:
             raise ProtocolError(f"{key}: an initial commit must have no base or contributors")
         return Verified(r, fragment, (), 0, True)
+    del params  # it decodes: that was the check
     if commit.base != r - fragments:
         raise ProtocolError(f"{key}: base {commit.base}, expected {r - fragments}")
     if not commit.contributors:
@@ -91,27 +94,28 @@ async def verify_commit(box: Mailbox, r: int, manifest: p.Manifest | None = None
     if base.momentum is not None:
         state_specs = algorithm.state_specs(specs)
         momentum = await retrying(partial(get_tensors, box, base.momentum, state_specs))
-    contributions = []
-    for c in commit.contributors:
-        local = await retrying(partial(get_tensors, box, c.payload, specs))
-        contributions.append((c.learner, c.samples, local))
     # Buffers (kind "buffer") are averaged or the closer's copy, not outer-stepped.
-    buffers = {spec.name for spec in specs if spec.kind == p.BUFFER}
-    expected_params, expected_momentum = combine(
-        algorithm,
-        base_params,
-        momentum,
-        contributions,
-        buffer_names=buffers,
-        closer=commit.closer,
-    )
+    buffers = frozenset(spec.name for spec in specs if spec.kind == p.BUFFER)
+    # Streamed, as the closer does: one accumulator, whatever the number of contributors.
+    members = [
+        Member(c.learner, c.samples, c.payload)
+        for c in sorted(commit.contributors, key=lambda c: c.learner)
+    ]
+    sums = {spec.name: torch.empty(spec.shape, dtype=torch.float32) for spec in specs}
+    try:
+        await weighted_sums(box, algorithm, specs, buffers, members, commit.closer, sums)
+    except Unusable as exc:
+        raise ProtocolError(f"{key}: {exc.cause}") from exc
+    with torch.no_grad():
+        expected_params, expected_momentum = algorithm.finish(
+            base_params, momentum, sums, buffer_names=buffers
+        )
     if await _stored_key(box, expected_params, commit.params) != commit.params:
         raise ProtocolError(f"{key}: its parameters are not the combination its record names")
     if commit.momentum is None or (
         await _stored_key(box, expected_momentum, commit.momentum) != commit.momentum
     ):
         raise ProtocolError(f"{key}: its momentum is not the combination its record names")
-    del params
     return Verified(
         r,
         fragment,
