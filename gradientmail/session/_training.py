@@ -183,8 +183,9 @@ class _TrainingSide:
         return done
 
     def _contribute_all(self, deadline: float) -> list[int]:
-        """Contribute every fragment with steps not yet contributed and wait for all of this
-        learner's rounds in flight; the rounds still waited for at ``deadline``."""
+        """Contribute every fragment with steps not yet contributed, one after another (each
+        waits for its commit), and wait for all of this learner's rounds in flight; the
+        rounds still waited for at ``deadline``."""
         counted: set[int] = set()
         # A contribution can miss its round: the round closed without it (round_timeout)
         # before it was published, and its steps went back to the fragment. Then it goes
@@ -205,6 +206,10 @@ class _TrainingSide:
                         self._counters.sync_points += 1
                 self._hand_over(fragment)
                 handed = True
+                # One fragment in flight at a time, as at the sync points of training: a
+                # snapshot and an incoming commit of one fragment are all the memory this
+                # needs (all fragments at once would hold a copy of the whole model).
+                self._await(fragment, deadline)
             for fragment in range(self._fragments):
                 self._await(fragment, deadline)
             if not handed or time.monotonic() >= deadline:
