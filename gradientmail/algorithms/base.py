@@ -28,6 +28,7 @@ from typing import Any, Protocol, Self, runtime_checkable
 
 import torch
 
+from gradientmail.ledger import COMBINE, LEDGER
 from gradientmail.wire import TensorSpec
 
 __all__ = ["Algorithm", "Contribution", "Tensors", "accumulate", "combine", "weighted_sum"]
@@ -136,7 +137,11 @@ def accumulate(acc: torch.Tensor, piece: torch.Tensor, weight: float, first: int
     if weight == 0.0:
         return
     target = acc.view(-1)[first : first + piece.numel()]
-    target.add_(piece.reshape(-1).to(torch.float32), alpha=weight)
+    if piece.dtype == torch.float32:
+        target.add_(piece.reshape(-1), alpha=weight)
+        return
+    with LEDGER.holding(COMBINE, piece.numel() * 4):  # the float32 conversion of the piece
+        target.add_(piece.reshape(-1).to(torch.float32), alpha=weight)
 
 
 def weighted_sum(
