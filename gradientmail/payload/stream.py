@@ -25,7 +25,6 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import Any
 
 import torch
 
@@ -33,6 +32,7 @@ from gradientmail.coord.retry import retrying
 from gradientmail.errors import PayloadCorrupt, ProtocolError
 from gradientmail.ledger import DOWNLOAD, LEDGER
 from gradientmail.mailbox import Mailbox
+from gradientmail.payload._format import MAX_HEADER, Entry, entries
 from gradientmail.wire import TensorSpec, is_parts_key
 from gradientmail.wire.parts import PartWire, parse_index, verify_blob
 
@@ -50,7 +50,6 @@ __all__ = [
 
 WINDOW = 4
 """Parts fetched ahead of the one being consumed (each at most ``PART_BYTES``)."""
-_MAX_HEADER = 100 * 1024 * 1024
 _VERIFY_ON_LOOP = 4 * 1024 * 1024  # smaller blobs are hashed on the loop, larger on a thread
 
 # (tensor name, index of the piece's first element in the flattened tensor, 1-D piece)
@@ -144,79 +143,6 @@ class _suppress_all:
         return True
 
 
-_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
-
-class _Entry:
-    __slots__ = ("begin", "carry", "dtype", "end", "itemsize", "name", "shape")
-
-    def __init__(
-        self, name: str, dtype: torch.dtype, shape: list[int], begin: int, end: int
-    ) -> None:
-        self.name = name
-        self.dtype = dtype
-        self.shape = shape
-        self.begin = begin  # absolute byte offsets in the stream
-        self.end = end
-        self.itemsize = torch.empty(0, dtype=dtype).element_size()
-        self.carry = b""  # the bytes of an element cut by a chunk boundary
-
-
-def entries(
-    key: str, header: Any, start: int, size: int, expect: Sequence[TensorSpec] | None
-) -> list[_Entry]:
-    """The header's tensors, validated (offsets, shapes, and ``expect`` when given)."""
-    if not isinstance(header, dict):
-        raise ProtocolError(f"{key}: the safetensors header is not an object")
-    header.pop("__metadata__", None)
-    found: list[_Entry] = []
-    for name, info in header.items():
-        try:
-            dtype = _DTYPES[str(info["dtype"])]
-            shape = [int(n) for n in info["shape"]]
-            begin, end = (int(n) for n in info["data_offsets"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ProtocolError(f"{key}: bad safetensors entry for {name!r} ({exc!r})") from exc
-        count = 1
-        for n in shape:
-            if n < 0:
-                raise ProtocolError(f"{key}: {name!r} has a negative dimension")
-            count *= n
-        entry = _Entry(name, dtype, shape, start + begin, start + end)
-        if begin < 0 or end - begin != count * entry.itemsize or start + end > size:
-            raise ProtocolError(f"{key}: {name!r} has inconsistent offsets or shape")
-        found.append(entry)
-    if expect is not None:
-        wanted = {spec.name: spec for spec in expect}
-        names = {entry.name for entry in found}
-        if names != set(wanted):
-            missing = sorted(set(wanted) - names)[:3]
-            extra = sorted(names - set(wanted))[:3]
-            raise ProtocolError(
-                f"{key}: tensors differ from the manifest (missing {missing}, unexpected {extra})"
-            )
-        for entry in found:
-            spec = wanted[entry.name]
-            if tuple(entry.shape) != spec.shape or str(entry.dtype) != spec.dtype:
-                raise ProtocolError(
-                    f"{key}: {entry.name} is {entry.dtype}{entry.shape}, the manifest says "
-                    f"{spec.dtype}{list(spec.shape)}"
-                )
-    found.sort(key=lambda entry: entry.begin)
-    return found
-
-
 class Pieces:
     """Element-aligned pieces of a payload's tensors, from its chunks in order."""
 
@@ -224,7 +150,7 @@ class Pieces:
         self.key = key
         self.size = size
         self.expect = expect
-        self.entries: list[_Entry] | None = None  # known once the header is read
+        self.entries: list[Entry] | None = None  # known once the header is read
         self._head = b""  # the stream's first bytes, until the header is complete
         self._pos = 0  # stream offset of the next chunk
 
@@ -275,7 +201,7 @@ class Pieces:
         if len(head) < 8:
             return False
         (length,) = struct.unpack_from("<Q", head, 0)
-        if length > min(_MAX_HEADER, self.size - 8):
+        if length > min(MAX_HEADER, self.size - 8):
             raise ProtocolError(f"{self.key}: the safetensors header claims {length} bytes")
         if len(head) < 8 + length:
             return False
@@ -298,11 +224,11 @@ async def stream_tensors(
     box: Mailbox,
     key: str,
     expect: Sequence[TensorSpec] | None,
-    prepare: Callable[[list[_Entry]], Sink],
+    prepare: Callable[[list[Entry]], Sink],
     *,
     stop: threading.Event | None = None,
     window: int = WINDOW,
-) -> list[_Entry]:
+) -> list[Entry]:
     """Feed every piece of the payload ``key``, in stream order, to the sink ``prepare``
     returns when called with the validated entries (once the header is read, before any
     data); sinks run on a worker thread, a chunk at a time. Returns the entries."""
@@ -324,7 +250,7 @@ async def stream_tensors(
     return pieces.entries
 
 
-def fixed(sink: Sink) -> Callable[[list[_Entry]], Sink]:
+def fixed(sink: Sink) -> Callable[[list[Entry]], Sink]:
     """For :func:`stream_tensors`: the same ``sink`` whatever the entries."""
     return lambda _: sink
 
@@ -400,7 +326,7 @@ async def read_new(
     ``purpose`` in the ledger while it lives)."""
     out: dict[str, torch.Tensor] = {}
 
-    def prepare(found: list[_Entry]) -> Sink:
+    def prepare(found: list[Entry]) -> Sink:
         out.update(_allocate(found, purpose))
         flat = {name: tensor.view(-1) for name, tensor in out.items()}
 
@@ -413,7 +339,7 @@ async def read_new(
     return out
 
 
-def _allocate(found: Sequence[_Entry], purpose: str) -> dict[str, torch.Tensor]:
+def _allocate(found: Sequence[Entry], purpose: str) -> dict[str, torch.Tensor]:
     sizes = [entry.end - entry.begin for entry in found]
     flat = torch.empty(sum(-(-n // 64) * 64 for n in sizes), dtype=torch.uint8)
     if flat.numel():

@@ -39,6 +39,7 @@ import torch
 from gradientmail.errors import PayloadCorrupt, ProtocolError
 from gradientmail.ledger import DOWNLOAD, ENCODE, LEDGER
 from gradientmail.mailbox import Mailbox
+from gradientmail.payload._format import MAX_HEADER, NAMES, entries
 from gradientmail.payload.stream import read_new
 from gradientmail.payload.stream import workers as _workers
 from gradientmail.wire import TensorSpec, blob_key, is_parts_key, parts_key
@@ -76,27 +77,13 @@ _TRANSFERS = 4  # part transfers in flight per payload
 if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for
     raise ImportError("gradientmail's payload codec assumes a little-endian machine")
 
-_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-_BY_NAME = {name: dtype for dtype, name in _DTYPES.items()}
+_DTYPES = NAMES
 
 
 def can_send(dtype: torch.dtype) -> bool:
     """Whether a payload can carry tensors of ``dtype``."""
     return dtype in _DTYPES
 
-
-_MAX_HEADER = 100 * 1024 * 1024
 
 # The views decode() returns are over immutable bytes; nothing writes through them.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
@@ -268,21 +255,18 @@ class _Stream:
             raw[pos : pos + n].copy_(torch.frombuffer(chunk, dtype=torch.uint8, count=n, offset=at))
 
 
-def _layout(key: str, stream: _Stream) -> tuple[int, dict[str, Any]]:
+def _layout(key: str, stream: _Stream) -> tuple[int, Any]:
     if stream.size < 8:
         raise ProtocolError(f"{key}: {stream.size} bytes cannot hold a safetensors header")
     buffer, at = stream.view(0, 8)
     (size,) = struct.unpack_from("<Q", buffer, at)
-    if size > min(_MAX_HEADER, stream.size - 8):
+    if size > min(MAX_HEADER, stream.size - 8):
         raise ProtocolError(f"{key}: the safetensors header claims {size} bytes")
     buffer, at = stream.view(8, 8 + size)
     try:
         header = json.loads(bytes(memoryview(buffer)[at : at + size]))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ProtocolError(f"{key}: the safetensors header is not JSON ({exc})") from exc
-    if not isinstance(header, dict):
-        raise ProtocolError(f"{key}: the safetensors header is not an object")
-    header.pop("__metadata__", None)
     return 8 + size, header
 
 
@@ -305,42 +289,14 @@ def _tensors(
     into fresh memory), or, with ``into``, copied into those tensors. Everything is
     validated before anything is created or written."""
     start, header = _layout(key, stream)
-    entries: dict[str, tuple[torch.dtype, list[int], int, int, int]] = {}
-    for name, info in header.items():
-        try:
-            dtype = _BY_NAME[str(info["dtype"])]
-            shape = [int(n) for n in info["shape"]]
-            begin, end = (int(n) for n in info["data_offsets"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ProtocolError(f"{key}: bad safetensors entry for {name!r} ({exc!r})") from exc
-        count = 1
-        for n in shape:
-            count *= n
-        itemsize = torch.empty(0, dtype=dtype).element_size()
-        if begin < 0 or end - begin != count * itemsize or start + end > stream.size:
-            raise ProtocolError(f"{key}: {name!r} has inconsistent offsets or shape")
-        entries[name] = (dtype, shape, count, start + begin, start + end)
-    if expect is not None:
-        wanted = {spec.name: spec for spec in expect}
-        if set(entries) != set(wanted):
-            missing = sorted(set(wanted) - set(entries))[:3]
-            extra = sorted(set(entries) - set(wanted))[:3]
-            raise ProtocolError(
-                f"{key}: tensors differ from the manifest (missing {missing}, unexpected {extra})"
-            )
-        for name, (dtype, shape, *_) in entries.items():
-            spec = wanted[name]
-            if tuple(shape) != spec.shape or str(dtype) != spec.dtype:
-                raise ProtocolError(
-                    f"{key}: {name} is {dtype}{shape}, the manifest says "
-                    f"{spec.dtype}{list(spec.shape)}"
-                )
+    found = entries(key, header, start, stream.size, expect)
+    layout = {e.name: (e.dtype, e.shape, e.count, e.begin, e.end) for e in found}
     if into is not None:
-        if set(into) != set(entries):
+        if set(into) != set(layout):
             raise ValueError(
-                f"{key}: into= holds {sorted(into)[:3]}…, the payload {sorted(entries)[:3]}…"
+                f"{key}: into= holds {sorted(into)[:3]}…, the payload {sorted(layout)[:3]}…"
             )
-        for name, (dtype, shape, *_) in entries.items():
+        for name, (dtype, shape, *_) in layout.items():
             target = into[name]
             if target.dtype != dtype or list(target.shape) != shape:
                 raise ValueError(
@@ -350,12 +306,12 @@ def _tensors(
             if not target.is_contiguous() or target.device.type != "cpu":
                 raise ValueError(f"{key}: into[{name!r}] must be a contiguous CPU tensor")
         with torch.no_grad():
-            for name, (_, _, count, begin, end) in entries.items():
+            for name, (_, _, count, begin, end) in layout.items():
                 if count:
                     stream.copy_into(begin, end, into[name])
         return dict(into)
     tensors: dict[str, torch.Tensor] = {}
-    for name, (dtype, shape, count, begin, end) in entries.items():
+    for name, (dtype, shape, count, begin, end) in layout.items():
         if count == 0:
             tensors[name] = torch.empty(shape, dtype=dtype)
             continue
