@@ -7,5 +7,7 @@
   the initial commits (finished by any joiner when the creator died), loading the newest.
 - ``closer.py``: closing a round: the close condition, claim-with-failover, excluding
   contributions that cannot be loaded, combine, commit, sweep.
+- ``sums.py``: a round's weighted sums, streamed part by part from the mailbox into one
+  accumulator (the closer and verify share it).
 - ``verify.py``: recomputing a commit from its record and the previous commit.
 """
