@@ -17,12 +17,13 @@ the sink saw the earlier pieces: callers write only into buffers they can discar
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import struct
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
@@ -79,7 +80,7 @@ async def chunks(
     *,
     window: int = WINDOW,
     stop: threading.Event | None = None,
-) -> AsyncIterator[tuple[int, bytes]]:
+) -> AsyncGenerator[tuple[int, bytes], None]:
     """``(total size, chunk)`` for each verified chunk of the payload ``key``, in order.
 
     Transient store failures are retried per object (until ``stop``); a missing object is
@@ -124,23 +125,13 @@ async def chunks(
             finally:
                 LEDGER.sub(DOWNLOAD, len(blob))
     finally:
+        # Left early (a failure, the consumer stopped): parts fetched ahead are let go.
         for task in ahead:
             if task.done() and not task.cancelled() and task.exception() is None:
                 LEDGER.sub(DOWNLOAD, len(task.result()))
             else:
                 task.cancel()
-        for task in ahead:
-            if not task.done():
-                with _suppress_all():
-                    await task
-
-
-class _suppress_all:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> bool:
-        return True
+        await asyncio.gather(*ahead, return_exceptions=True)
 
 
 class Pieces:
@@ -235,15 +226,17 @@ async def stream_tensors(
     pieces: Pieces | None = None
     target: Sink | None = None
     loop = asyncio.get_running_loop()
-    async for size, chunk in chunks(box, key, window=window, stop=stop):
-        if pieces is None:
-            pieces = Pieces(key, size, expect)
-        found = pieces.feed(chunk)
-        if target is None and pieces.entries is not None:
-            target = prepare(pieces.entries)
-        if found:
-            assert target is not None
-            await loop.run_in_executor(workers(), _deliver, target, found)
+    # aclosing: a failure in here stops the fetches ahead at once, not at collection.
+    async with contextlib.aclosing(chunks(box, key, window=window, stop=stop)) as stream:
+        async for size, chunk in stream:
+            if pieces is None:
+                pieces = Pieces(key, size, expect)
+            found = pieces.feed(chunk)
+            if target is None and pieces.entries is not None:
+                target = prepare(pieces.entries)
+            if found:
+                assert target is not None
+                await loop.run_in_executor(workers(), _deliver, target, found)
     assert pieces is not None
     pieces.finish()
     assert pieces.entries is not None

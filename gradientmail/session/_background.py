@@ -143,12 +143,12 @@ class _Background:
             await self._pause(_TICK, wake=self._wake_comm)
 
     async def _publish(self, pending: _Pending) -> None:
-        if pending.cancelled:
-            return
+        with self._lock:  # applying its round lets go of the snapshot, under the lock
+            if pending.cancelled:
+                return
+            snapshot = pending.snapshot
         try:
-            key, nbytes = await retrying(
-                partial(put_tensors, self._box, pending.snapshot), stop=self._stop
-            )
+            key, nbytes = await retrying(partial(put_tensors, self._box, snapshot), stop=self._stop)
             record = p.Snapshot(pending.round, self.learner_id, pending.samples, key, pending.base)
             await retrying(
                 partial(
@@ -192,12 +192,14 @@ class _Background:
         with self._lock:
             if pending.cancelled or pending.round <= self._known[pending.fragment]:
                 return False
+            # Held here: applying the round lets go of them (under the lock) meanwhile.
+            snapshot, base_params = pending.snapshot, pending.base_params
         assert pending.payload is not None
         failure: Exception | None = None
         outcome = None
         try:
             outcome = await self._closer.try_close(
-                pending.round, pending.payload, pending.snapshot, pending.base_params
+                pending.round, pending.payload, snapshot, base_params
             )
         except Stopped:
             raise
