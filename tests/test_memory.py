@@ -14,7 +14,10 @@ from __future__ import annotations
 import gc
 import itertools
 import multiprocessing
+import os
 import random
+import subprocess
+import sys
 import tracemalloc
 from typing import Any
 
@@ -291,3 +294,23 @@ def test_memory_usage_is_public_and_reports_every_purpose() -> None:
             "combine",
         }
     )
+
+
+@pytest.mark.parametrize("preset", [None, "4"])
+def test_glibc_arenas_are_capped_once_unless_the_user_chose(preset: str | None) -> None:
+    """The first call caps the arenas (on glibc) and later ones do nothing; a
+    ``MALLOC_ARENA_MAX`` in the environment is the user's choice and stands."""
+    code = (
+        "import platform\n"
+        "from gradientmail.payload._malloc import share_arenas\n"
+        "print(platform.libc_ver()[0], share_arenas(), share_arenas())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
+    if preset is not None:
+        env["MALLOC_ARENA_MAX"] = preset
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout.split()
+    libc, first, second = out
+    assert second == "False"
+    assert first == str(preset is None and libc == "glibc")
