@@ -415,13 +415,13 @@ class RoundCloser:
     ) -> Outcome:
         fragment = r % self.layout.count
         # The momentum this closer computed last (it caches one fragment's: each would pin
-        # a fragment-sized buffer between rounds), taken out of
-        # the cache for the whole close: the outer step below overwrites it in place. That
-        # prevents the race of a close that fails after the update leaving the cache
-        # naming the previous momentum's key over bytes since overwritten: the retry, or
-        # the next round, would silently combine with the wrong momentum. It goes back
-        # only if nothing was written into it; a buffer whose upload failed is dropped,
-        # never reused (gather lets the other payload's encode run on, reading it).
+        # a fragment-sized buffer between rounds), taken out of the cache for the whole
+        # close: the outer step below overwrites it in place. That prevents the race of a
+        # close that fails after the update leaving the cache naming the previous
+        # momentum's key over bytes since overwritten: the retry, or the next round, would
+        # silently combine with the wrong momentum. It goes back only if nothing was
+        # written into it; a buffer whose upload failed is dropped, never reused (gather
+        # lets the other payload's encode run on, reading it).
         # Downloaded momentum goes into a buffer of the closer's own pool and is updated
         # there. The new parameters are the accumulator of the sums, from the pool shared
         # with the syncer: they go to the training thread (staged, applied, then kept as
