@@ -11,6 +11,7 @@ growing once warm.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import itertools
 import multiprocessing
@@ -314,3 +315,24 @@ def test_glibc_arenas_are_capped_once_unless_the_user_chose(preset: str | None) 
     libc, first, second = out
     assert second == "False"
     assert first == str(preset is None and libc == "glibc")
+
+
+def test_blobs_that_hash_beside_their_join_encode_side_by_side() -> None:
+    """A commit encodes its parameters and momentum at once; each single blob above the
+    overlap size is joined on one thread while a payload worker hashes it. The joins must
+    not take the workers' places, or the hashing waits forever (it did, with two
+    workers)."""
+    box = gm.MemoryMailbox()
+    size = transfer._OVERLAP_BYTES // 4 + 1024  # float32 elements: a little over 4 MiB
+    payloads = [{"w": torch.full((size,), float(i))} for i in range(4)]
+
+    async def encode_all() -> list[tuple[str, int]]:
+        return await asyncio.wait_for(
+            asyncio.gather(*(put_tensors(box, x) for x in payloads)), timeout=120
+        )
+
+    keys = go(encode_all())
+    assert len({key for key, _ in keys}) == 4
+    assert all(not p.is_parts_key(key) for key, _ in keys)
+    for (key, _), tensors in zip(keys, payloads, strict=True):
+        assert torch.equal(go(get_tensors(box, key))["w"], tensors["w"])

@@ -349,7 +349,10 @@ async def put_tensors(
         limit = asyncio.Semaphore(_TRANSFERS)
     if len(groups) == 1:
         async with limit:
-            key, data = await loop.run_in_executor(_workers(), _join_hashing, pieces, size)
+            # A thread of its own, not a payload worker: _join_hashing hands the hashing to
+            # the workers and waits for it, and two such waits (a commit's parameters and
+            # momentum) on a pool of two would leave nobody to hash.
+            key, data = await asyncio.to_thread(_join_hashing, pieces, size)
             with LEDGER.holding(ENCODE, len(data)):
                 await box.put_if_absent(key, data)  # False: the same bytes are already there
         return key, size
