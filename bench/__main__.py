@@ -39,6 +39,7 @@ BENCHMARKS: dict[str, str] = {
     "mailbox": "bench.mailbox",
     "quality": "bench.quality",
     "utilization": "bench.utilization",
+    "memory": "bench.memory",
 }
 DEFAULT = [
     "payload",
@@ -50,6 +51,7 @@ DEFAULT = [
     "scale",
     "quality",
     "utilization",
+    "memory",
 ]
 
 

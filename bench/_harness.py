@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1024 * 1024
@@ -337,3 +337,42 @@ def describe(info: dict[str, Any]) -> str:
         f"({info.get('torch_threads', '?')} threads); git {info.get('git', '?')}; "
         f"load average {load}"
     )
+
+
+T = TypeVar("T")
+
+
+def overridden(config: T, options: dict[str, Any] | None, choices: dict[str, Sequence[str]]) -> T:
+    """``config`` (a dataclass) with a benchmark's ``ctx.options`` overrides applied (lists
+    become tuples); every override named in ``choices`` must pick among its values."""
+    import dataclasses
+
+    overrides = {k: tuple(v) if isinstance(v, list) else v for k, v in (options or {}).items()}
+    config = dataclasses.replace(config, **overrides)  # type: ignore[type-var]
+    for key, allowed in choices.items():
+        unknown = [x for x in getattr(config, key) if x not in allowed]
+        if unknown:
+            raise ValueError(f"unknown {key} {unknown}; choose from {list(allowed)}")
+    return config
+
+
+def guarded(index: int, barrier: Any, queue: Any, body: Callable[[], Any]) -> None:
+    """A benchmark learner process's body: its result (when not None) goes on ``queue``; a
+    failure aborts ``barrier`` (so the others do not wait for this one) and goes on
+    ``queue`` as ``{"index", "error", "traceback"}``."""
+    import traceback
+
+    try:
+        result = body()
+        if result is not None:
+            queue.put(result)
+    except BaseException as exc:
+        with contextlib.suppress(Exception):
+            barrier.abort()
+        queue.put(
+            {
+                "index": index,
+                "error": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc(),
+            }
+        )

@@ -39,7 +39,6 @@ compute utilization); 100% of sync points contributing under the waiting policie
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import multiprocessing as mp
@@ -48,7 +47,6 @@ import shutil
 import sys
 import threading
 import time
-import traceback
 import uuid
 from collections import deque
 from collections.abc import Iterator
@@ -106,18 +104,9 @@ class Config:
 def config_for(ctx: h.Context) -> Config:
     """The preset's sizes, then any ``ctx.options["utilization"]`` overrides (tests)."""
     config = Config(periods=ctx.pick(6, 3, 20))
-    overrides = dict(ctx.options.get(NAME) or {})
-    for key in ("backends", "policies"):
-        if key in overrides:
-            overrides[key] = tuple(overrides[key])
-    config = dataclasses.replace(config, **overrides)
-    unknown = [x for x in config.policies if x not in POLICIES]
-    if unknown:
-        raise ValueError(f"unknown policies {unknown}; choose from {list(POLICIES)}")
-    unknown = [x for x in config.backends if x not in BACKENDS]
-    if unknown:
-        raise ValueError(f"unknown backends {unknown}; choose from {list(BACKENDS)}")
-    return config
+    return h.overridden(
+        config, ctx.options.get(NAME), {"policies": list(POLICIES), "backends": list(BACKENDS)}
+    )
 
 
 # -- the learner processes -------------------------------------------------------------------
@@ -151,18 +140,7 @@ class _Work:
 def _learner(
     index: int, config: Config, tasks: list[tuple[str, gm.Mailbox]], barrier: Any, queue: Any
 ) -> None:
-    try:
-        _learn(index, config, tasks, barrier, queue)
-    except BaseException as exc:
-        with contextlib.suppress(Exception):
-            barrier.abort()
-        queue.put(
-            {
-                "index": index,
-                "error": f"{type(exc).__name__}: {exc}",
-                "traceback": traceback.format_exc(),
-            }
-        )
+    h.guarded(index, barrier, queue, lambda: _learn(index, config, tasks, barrier, queue))
 
 
 def _learn(

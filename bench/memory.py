@@ -1,0 +1,402 @@
+"""Benchmark 15 — host memory: the peak resident set a learner costs beyond its training,
+at an ordinary learner and at the closer, with the library's own accounting by purpose.
+
+Per configuration (model of 25M and 100M float32 parameters, 1B with ``--large`` where the
+machine holds it; ``DiLoCo`` with 1 and 4 fragments; 2 and 8 learners; the filesystem
+mailbox and SeaweedFS), the learners are spawned processes on one fresh mailbox, one torch
+thread each, ``quorum_size`` = learners, a generous ``round_timeout``, ``overlap=0``. Each
+builds the model (``_workload.build_model``: square Linear layers), an SGD optimizer (no
+momentum) and makes one training step, records its resident set (the baseline: training's
+own memory is in it), joins with a ``gm.Session``, then trains ``periods`` sync periods of
+``sync_every`` steps with ``step()`` after every optimizer step, and closes. The closer is
+the learner that closed most rounds (``Session.counters().closed``).
+
+The reference, measured in the same run: *training alone*, the same model and loop in a
+process that never imports gradientmail. Reported: session overhead = learner peak −
+training-alone peak, in MiB and as a multiple of the model's bytes and of one fragment's;
+the closer's additional peak over the learners; growth from sync period 5 to the last;
+``gm.memory_usage()`` (the ledger: peak by purpose, ``peak_total``, ``live_total`` after
+close) and the part of the overhead it does not account for (allocator, arenas, imports).
+
+Targets (reported, never asserted): session overhead ≤ 1× model + 2× fragment (learner);
+the closer's additional peak independent of the number of learners (2 vs 8); no growth over
+rounds. Configurations run one at a time, each only if ``MemAvailable`` covers an estimate
+of its need plus 3 GiB of headroom (else a printed "skipped: needs N GiB"); a configuration
+during which ``MemAvailable`` falls under 1 GiB is stopped. The processes' code is in
+``_memory_worker.py``, the tables and targets in ``_memory_report.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import multiprocessing as mp
+import queue as queue_module
+import shutil
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import _harness as h
+from bench import _memory_worker as w
+from bench._memory_report import model_name, tables, targets
+
+NAME = "memory"
+GIB = 1024 * h.MIB
+BACKENDS = ("filesystem", "seaweedfs")
+TORCH_RUNTIME = 400 * h.MIB  # a process with torch imported, for the a-priori estimates
+
+
+@dataclass(frozen=True)
+class Config:
+    models: tuple[int, ...] = (25_000_000, 100_000_000)
+    fragments: tuple[int, ...] = (1, 4)
+    learners: tuple[int, ...] = (2, 8)
+    backends: tuple[str, ...] = BACKENDS
+    sync_every: int = 10
+    periods: int = 12  # sync periods per configuration (each fragment syncs once a period)
+    growth_from: int = 5  # the sync period compared with the last for growth
+    batch: int = 8
+    poll_interval: float = 0.1
+    round_timeout: float = 300.0
+    timeout: float = 900.0  # a barrier, a join, a close
+    stall_s: float = 300.0  # no news from any process for this long: stacks dumped, stopped
+    headroom: int = 3 * GIB
+    abort_below: int = 1 * GIB  # MemAvailable under which a running configuration is stopped
+    sample_s: float = 0.005
+
+
+def config_for(ctx: h.Context) -> Config:
+    """The preset's sizes, then any ``ctx.options["memory"]`` overrides (tests)."""
+    if ctx.quick:
+        config = Config(
+            models=(2_000_000,), learners=(2,), backends=("filesystem",), periods=10, growth_from=5
+        )
+    elif ctx.large:
+        config = Config(models=(25_000_000, 100_000_000, 1_000_000_000))
+    else:
+        config = Config()
+    return h.overridden(config, ctx.options.get(NAME), {"backends": list(BACKENDS)})
+
+
+# -- running processes -----------------------------------------------------------------------
+
+
+def _collect(
+    procs: list[Any], queue: Any, expected: int, label: str, config: Config
+) -> list[dict[str, Any]]:
+    """Results from ``procs`` until ``expected`` arrived; progress to stderr. The processes
+    are stopped on an error, on the time limit, or when memory runs short."""
+    results: list[dict[str, Any]] = []
+    errors: list[str] = []
+    failures: list[str] = []  # the learners' failure events (PublishFailed, ...), as seen
+    heard = time.monotonic()
+    grace: float | None = None
+    low = w.mem_available()
+    finished = False
+    try:
+        while len(results) < expected:
+            available = w.mem_available()
+            low = min(low, available)
+            if available < config.abort_below:
+                errors.append(f"stopped: MemAvailable fell to {h.size(available)}")
+                break
+            now = time.monotonic()
+            if now > heard + config.stall_s:
+                errors.append(f"stalled: no news from the processes in {config.stall_s:g} s")
+                break
+            if grace is not None and now > grace:
+                errors.append("gave up waiting for the other processes after an error")
+                break
+            try:
+                item = queue.get(timeout=0.2)
+            except queue_module.Empty:
+                if all(p.exitcode is not None for p in procs):
+                    errors.append(f"processes exited: {[p.exitcode for p in procs]}")
+                    break
+                continue
+            heard = time.monotonic()
+            if "failure" in item:
+                failures.append(f"learner-{item['beat']}: {item['failure']}")
+                h.progress(f"{label}: learner-{item['beat']}: {item['failure']}")
+            elif "progress" in item:
+                if item.get("beat", 0) == 0:  # learner-0 (or the reference) speaks for all
+                    h.progress(f"{label}: {item['progress']}")
+            elif "error" in item:
+                errors.append(f"process {item['index']}: {item['error']}")
+                h.progress(f"{label}: process {item['index']} failed:\n{item['traceback']}")
+                if grace is None:  # the others fail at a barrier, or wait for a round
+                    grace = time.monotonic() + 30
+            else:
+                results.append(item)
+        finished = True
+    finally:
+        if not finished:  # interrupted: stop them at once
+            errors.append("interrupted")
+        if errors:  # what the processes reached before they are stopped
+            peaks = [_hwm(p.pid) for p in procs]
+            if any(peaks):
+                errors.append("peak RSS so far: " + ", ".join(h.size(x) for x in peaks))
+            if failures:
+                errors.append(f"failure events: {failures[:4]}")
+        for p in procs:
+            p.join(timeout=60 if not errors else 2)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+    if errors:
+        raise RuntimeError("; ".join(errors))
+    for item in results:
+        item["mem_available_low"] = low
+        item["failure_events"] = [x for x in failures if x.startswith(f"learner-{item['index']}:")]
+    return sorted(results, key=lambda r: r["index"])
+
+
+def _hwm(pid: int | None) -> int:
+    """A live process's VmHWM (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _spec(config: Config, params: int, fragments: int, learners: int) -> dict[str, Any]:
+    return {
+        "params": params,
+        "fragments": fragments,
+        "learners": learners,
+        "sync_every": config.sync_every,
+        "periods": config.periods,
+        "batch": config.batch,
+        "poll_interval": config.poll_interval,
+        "round_timeout": config.round_timeout,
+        "timeout": config.timeout,
+        "stall_s": config.stall_s,
+        "sample_s": config.sample_s,
+    }
+
+
+def _alone(config: Config, params: int) -> dict[str, Any]:
+    """Training alone: one process, the same model (as for one fragment) and loop."""
+    spawn = mp.get_context("spawn")
+    queue = spawn.Queue()
+    spec = _spec(config, params, fragments=1, learners=1)
+    proc = spawn.Process(target=w.alone, args=(spec, queue), name="memory-alone", daemon=True)
+    proc.start()
+    return _collect([proc], queue, 1, f"{model_name(params)} training alone", config)[0]
+
+
+def _learners(
+    config: Config, params: int, fragments: int, n: int, mailbox: Any, label: str
+) -> list[dict[str, Any]]:
+    spawn = mp.get_context("spawn")
+    queue = spawn.Queue()
+    barrier = spawn.Barrier(n)
+    spec = _spec(config, params, fragments, n)
+    procs = [
+        spawn.Process(
+            target=w.learner,
+            args=(i, spec, mailbox, barrier, queue),
+            name=f"memory-{i}",
+            daemon=True,
+        )
+        for i in range(n)
+    ]
+    for p in procs:
+        p.start()
+    return _collect(procs, queue, n, label, config)
+
+
+@contextlib.contextmanager
+def _mailbox(ctx: h.Context, backend: str, name: str) -> Iterator[Any]:
+    """A fresh store for one configuration: a directory, or a SeaweedFS server of its own
+    (``tests.support.s3servers``; data from earlier configurations would fill its volumes
+    and its memory). Removed afterwards."""
+    import gradientmail as gm
+
+    slug = f"memory-{name}-{uuid.uuid4().hex[:6]}"
+    root = ctx.workdir / slug
+    try:
+        if backend == "filesystem":
+            yield gm.FileMailbox(root)
+            return
+        from tests.support import s3servers
+
+        h.progress(f"{name}: starting SeaweedFS")
+        with s3servers.seaweedfs(root) as server:
+            yield server.mailbox(slug)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+# -- estimates ----------------------------------------------------------------
+
+
+def _estimate(
+    params: int, fragments: int, n: int, alone: dict[str, Any] | None, rows: list[dict[str, Any]]
+) -> int:
+    """Bytes a configuration needs: a-priori (training alone + 3x the model per learner),
+    or, where configurations of this model and fragments already ran, from the one with
+    the most learners: its largest learner peak per learner (the closer aside), its
+    closer's peak plus a fragment per additional learner."""
+    model = params * 4
+    training = alone["peak"] if alone else TORCH_RUNTIME + 2 * model
+    need = n * (training + 3 * model)
+    ran = [
+        r
+        for r in rows
+        if (r["params"], r.get("fragments"), "closer" in r) == (params, fragments, True)
+    ]
+    if ran:
+        row = max(ran, key=lambda r: r["n"])
+        learner = max(x["peak"] for x in row["learners"] if x["index"] != row["closer_index"])
+        extra = max(0, n - row["n"]) * model // fragments
+        need = max(need, (n - 1) * learner + row["closer"]["peak"] + extra)
+    return need
+
+
+# -- the benchmark ---------------------------------------------------------------------------
+
+
+def _summarize(row: dict[str, Any], alone: dict[str, Any], config: Config) -> None:
+    """Add the derived numbers of one configuration to ``row`` (in place)."""
+    learners = row["learners"]
+    closer = max(learners, key=lambda x: (x["closed"], -x["index"]))
+    others = [x for x in learners if x is not closer]
+    model = learners[0]["model_bytes"]
+    g = min(config.growth_from, config.periods) - 1
+
+    def growth(x: dict[str, Any]) -> int:
+        return x["periods"][-1]["peak"] - x["periods"][g]["peak"]
+
+    lives = [(x.get("usage_after_close") or {}).get("live_total") for x in learners]
+    peak = h.Stats.of(x["peak"] for x in others)
+    row.update(
+        closer=closer,
+        closer_index=closer["index"],
+        model_bytes=model,
+        fragment_bytes=model / row["fragments"],
+        alone_peak=alone["peak"],
+        learner_peak=peak.__dict__,
+        learner_base=h.Stats.of(x["rss_base"] for x in others).median,
+        learner_overhead=peak.median - alone["peak"],
+        closer_overhead=closer["peak"] - alone["peak"],
+        closer_extra=closer["peak"] - peak.median,
+        learner_growth=max(growth(x) for x in others),
+        closer_growth=growth(closer),
+        rounds_closed=sum(x["closed"] for x in learners),
+        live_after_close=None if None in lives else max(lives),
+    )
+
+
+def _measure(
+    ctx: h.Context, config: Config, report: h.Report
+) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]]]:
+    alones: dict[int, dict[str, Any]] = {}
+    rows: list[dict[str, Any]] = []
+
+    def skip(row: dict[str, Any], need: int, available: int, what: str) -> bool:
+        if need + config.headroom <= available:
+            return False
+        row["skipped"] = (
+            f"skipped: needs {(need + config.headroom) / GIB:.1f} GiB ({what} "
+            f"{need / GIB:.1f} + {config.headroom / GIB:.0f} headroom), "
+            f"{available / GIB:.1f} GiB available"
+        )
+        line = f"{row['label']}: {row['skipped']}"
+        print(line, flush=True)
+        h.progress(line)
+        report.notes.append(line)
+        return True
+
+    for params in config.models:
+        head = {"params": params, "label": f"{model_name(params)} (all configurations)"}
+        smallest = min(config.learners)
+        need = _estimate(params, max(config.fragments), smallest, None, [])
+        if skip(head, need, w.mem_available(), f"{smallest} learners, estimate"):
+            rows.append(head)
+            continue
+        h.progress(f"{model_name(params)} ({h.size(params * 4)}): training alone")
+        alones[params] = alone = _alone(config, params)
+        for backend in config.backends:
+            for fragments in config.fragments:
+                for n in sorted(config.learners):
+                    label = f"{model_name(params)} {backend} fragments={fragments} learners={n}"
+                    row = {
+                        "params": params,
+                        "backend": backend,
+                        "fragments": fragments,
+                        "n": n,
+                        "label": label,
+                    }
+                    rows.append(row)
+                    need = _estimate(params, fragments, n, alone, rows)
+                    if skip(row, need, w.mem_available(), "estimate"):
+                        continue
+                    h.progress(f"{label}: starting (estimate {h.size(need)})")
+                    t0 = time.monotonic()
+                    try:
+                        name = f"{model_name(params)}-f{fragments}-n{n}"
+                        with _mailbox(ctx, backend, name) as box:
+                            row["learners"] = _learners(config, params, fragments, n, box, label)
+                    except Exception as exc:
+                        row["error"] = f"{type(exc).__name__}: {exc}"
+                        report.notes.append(f"{label}: not measured: {row['error']}")
+                        continue
+                    row["seconds"] = time.monotonic() - t0
+                    _summarize(row, alone, config)
+                    seen = [x for r in row["learners"] for x in r["failure_events"]]
+                    if seen:
+                        report.notes.append(f"{label}: {len(seen)} failure events: {seen[:3]}")
+                    h.progress(
+                        f"{label}: done in {row['seconds']:.0f} s; overhead learner "
+                        f"{h.size(row['learner_overhead'])}, closer "
+                        f"{h.size(row['closer_overhead'])}"
+                    )
+    return alones, rows
+
+
+def run(ctx: h.Context) -> h.Report:
+    config = config_for(ctx)
+    report = h.Report(
+        NAME,
+        "15. Host memory: the peak resident set a learner and the closer cost beyond training",
+        "training alone: the same model and training loop in a process without a Session "
+        "(gradientmail not imported), measured in the same run",
+    )
+    alones, rows = _measure(ctx, config, report)
+    if not any("closer" in r or "skipped" in r for r in rows):
+        raise RuntimeError("; ".join(r.get("error", "") for r in rows) or "nothing measured")
+    tables(report, config, alones, rows)
+    targets(report, config, [r for r in rows if "closer" in r])
+    report.data = {
+        "config": dataclasses.asdict(config),
+        "ledger": "gm.memory_usage()" if _has_ledger() else "n/a (no gm.memory_usage)",
+        "alone": {str(k): v for k, v in alones.items()},
+        # The closer is also in "learners" (at "closer_index").
+        "configs": [{k: v for k, v in r.items() if k != "closer"} for r in rows],
+    }
+    return report
+
+
+def _has_ledger() -> bool:
+    import gradientmail as gm
+
+    return getattr(gm, "memory_usage", None) is not None
+
+
+if __name__ == "__main__":
+    from bench.__main__ import main
+
+    sys.exit(main([NAME, *sys.argv[1:]]))
