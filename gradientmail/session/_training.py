@@ -183,9 +183,8 @@ class _TrainingSide:
         return done
 
     def _contribute_all(self, deadline: float) -> list[int]:
-        """Contribute every fragment with steps not yet contributed, one after another (each
-        waits for its commit), and wait for all of this learner's rounds in flight; the
-        rounds still waited for at ``deadline``."""
+        """Contribute every fragment with steps not yet contributed and wait for all of this
+        learner's rounds in flight; the rounds still waited for at ``deadline``."""
         counted: set[int] = set()
         # A contribution can miss its round: the round closed without it (round_timeout)
         # before it was published, and its steps went back to the fragment. Then it goes
@@ -204,12 +203,13 @@ class _TrainingSide:
                     counted.add(fragment)
                     with self._lock:
                         self._counters.sync_points += 1
+                # All fragments at once, not one after another: a learner with nothing new
+                # for fragment 0 would hand fragment 1 over while the others still wait
+                # in fragment 0's round for it, and the two rounds could close without
+                # each other's contributions (round_timeout). The price: a copy of every
+                # fragment in flight here (the whole model), once, at the end.
                 self._hand_over(fragment)
                 handed = True
-                # One fragment in flight at a time, as at the sync points of training: a
-                # snapshot and an incoming commit of one fragment are all the memory this
-                # needs (all fragments at once would hold a copy of the whole model).
-                self._await(fragment, deadline)
             for fragment in range(self._fragments):
                 self._await(fragment, deadline)
             if not handed or time.monotonic() >= deadline:

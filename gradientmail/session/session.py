@@ -267,9 +267,8 @@ class Session(_TrainingSide, _Background):
 
     def sync(self, timeout: float | None = None) -> tuple[int, ...]:
         """Contribute every fragment's steps since its last contribution now, and wait
-        until those commits are applied; for evaluation and checkpoints. Fragments go one
-        after another, each waiting for its commit (one fragment in flight, as in
-        training, so memory stays bounded by one fragment's copies).
+        until those commits are applied; for evaluation and checkpoints. Every fragment
+        goes at once, so this holds a copy of the whole model while it waits.
 
         Returns :attr:`rounds`. Raises ``TimeoutError`` when a commit is not applied within
         ``timeout`` seconds (default ``wait_timeout``); the contributions stay in flight.
