@@ -187,11 +187,10 @@ class _Background:
             )
         )
 
-    async def _close(self, pending: _Pending) -> bool:
-        """One look at closing ``pending``'s round; True when it closed (or adopted) it."""
+    async def _close(self, pending: _Pending) -> None:
         with self._lock:
             if pending.cancelled or pending.round <= self._known[pending.fragment]:
-                return False
+                return
             # Held here: applying the round lets go of them (under the lock) meanwhile.
             snapshot, base_params = pending.snapshot, pending.base_params
         assert pending.payload is not None
@@ -221,7 +220,7 @@ class _Background:
         if failure is not None:
             self._emit(RoundFailed(self.learner_id, round=pending.round, error=repr(failure)))
         if outcome is None:
-            return failure is not None  # a failed close also let go of its buffers
+            return
         if outcome.params is not None:
             try:
                 await self._closer.sweep(outcome.commit)
@@ -231,7 +230,6 @@ class _Background:
                 self._emit(
                     RoundFailed(self.learner_id, round=pending.round, error=f"sweep: {exc!r}")
                 )
-        return True
 
     def _stage(self, commit: p.Commit, params: dict[str, torch.Tensor]) -> bool:
         """Hand a verified commit to the training thread; False when it is not newer than
