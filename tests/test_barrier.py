@@ -342,9 +342,22 @@ def test_a_session_keeps_renewing_its_lease_while_waiting() -> None:
     with gm.Session(
         make_model(), algorithm=algorithm, mailbox=box, learner_id="a", lease_timeout=0.6
     ):
-        before = p.parse_beat_key(_keys(box, p.lease_prefix("a"))[-1])[1]
-        with pytest.raises(TimeoutError):
-            barrier.wait("start", parties=2, timeout=1.5)
-        after = p.parse_beat_key(_keys(box, p.lease_prefix("a"))[-1])[1]
-        # One beat every lease_timeout / 3 = 0.2 s: the lease never lapsed during the wait.
-        assert after - before >= 4
+
+        def beat() -> int:
+            return p.parse_beat_key(_keys(box, p.lease_prefix("a"))[-1])[1]
+
+        before = beat()
+        seen: list[int] = []
+
+        def second_party() -> None:
+            # Arrives only once "a" has beaten twice more while its training thread is
+            # blocked in the wait below: without those beats the wait times out.
+            seen.append(wait_until(lambda: beat() >= before + 2 and beat(), "two more beats"))
+            _barrier(box, "b").wait("start", parties=2, timeout=TEST_TIMEOUT)
+
+        helper = threading.Thread(target=second_party, daemon=True)
+        helper.start()
+        assert barrier.wait("start", parties=2, timeout=TEST_TIMEOUT) == ["a", "b"]
+        helper.join(timeout=TEST_TIMEOUT)
+        assert len(seen) == 1
+        assert seen[0] >= before + 2

@@ -251,9 +251,10 @@ def test_units_of_a_crashed_node_are_reclaimed_after_its_lease_lapses(
         _put(mailbox, done_key(unit), b'{"attempt":0,"learner":"ghost"}')
     _put(mailbox, "units-leases/ghost/0000000007", b"ghost")
     started = time.monotonic()
-    nodes = _run(mailbox, ["a", "b"], units, batches=2, lease_timeout=0.6)
+    # Long enough that a live node's beats never lag a whole lease on a loaded machine.
+    nodes = _run(mailbox, ["a", "b"], units, batches=2, lease_timeout=2.0)
     elapsed = time.monotonic() - started
-    assert elapsed >= 0.6, "units were taken over before the lease could lapse"
+    assert elapsed >= 2.0, "units were taken over before the lease could lapse"
     loads = Counter(unit for node in nodes for unit in node.loads)
     assert loads == Counter(units[3:]), "a done unit was reloaded, or a unit twice"
     reclaimed = sorted(u for node in nodes for u in node.queue.reclaimed)  # type: ignore[union-attr]
@@ -266,10 +267,27 @@ def test_units_of_a_crashed_node_are_reclaimed_after_its_lease_lapses(
         assert _get(mailbox, claim_key(unit, 1)) == str(done[unit]["learner"]).encode()
 
 
+class _StepClock:
+    """An observer's clock that moves only when the test moves it."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_a_slow_but_live_node_keeps_its_unit(mailbox: gm.Mailbox) -> None:
-    """The queue renews its lease while the loop works: a waiting node never steals."""
+    """The queue renews its lease while the loop works: a waiting node never steals.
+
+    The waiting node judges leases on a clock of its own that the test moves by a third of
+    the lease for each new beat of the slow node, three leases in all while it waits for
+    u0: a live node is never judged gone, whatever the real delays on a loaded machine; a
+    node that stopped beating while its loop works fails the wait for its next beat.
+    """
+    lease_timeout = 1.5
     slow, fast = Node("slow"), Node("fast")
-    options = {"lease_timeout": 0.8, "poll_interval": 0.05}
+    options = {"lease_timeout": lease_timeout, "poll_interval": 0.05}
     queue = shared_queue(
         ["u0", "u1"],
         mailbox=mailbox,
@@ -278,25 +296,32 @@ def test_a_slow_but_live_node_keeps_its_unit(mailbox: gm.Mailbox) -> None:
         prefetch=1,  # so that it claims u1 only after u0's last batch went into the buffer
         **options,
     )
+    waiting = shared_queue(
+        ["u0", "u1"], mailbox=mailbox, learner_id="fast", load=_loader(fast, 4), **options
+    )
+    clock = _StepClock()
+    waiting._worker.clock = clock
+
+    def newest_beat() -> str:
+        return max(_keys(mailbox, "units-leases/slow/"), default="")
+
     with queue:
         first = next(queue)
-        thread = threading.Thread(
-            target=lambda: fast.batches.extend(
-                shared_queue(
-                    ["u0", "u1"],
-                    mailbox=mailbox,
-                    learner_id="fast",
-                    load=_loader(fast, 4),
-                    **options,
-                )
-            )
-        )
+        thread = threading.Thread(target=lambda: fast.batches.extend(waiting))
         thread.start()
+        # The fast node has done u1 and now waits on u0, whose owner is busy.
+        wait_until(lambda: _get(mailbox, done_key("u1")), "the fast node to finish u1")
         rest = []
+        beat = newest_beat()
         for batch in queue:
             rest.append(batch)
-            time.sleep(0.2)  # 1.8 s in all, over twice the lease_timeout
+            beat = wait_until(
+                lambda seen=beat: (b := newest_beat()) != seen and b,  # type: ignore[misc]
+                "the slow node's next lease beat while its loop works",
+            )
+            clock.now += lease_timeout / 3
         thread.join(timeout=TEST_TIMEOUT)
+    assert clock.now >= 3 * lease_timeout, "the waiting node watched for less than 3 leases"
     assert [first, *rest] == _expected(["u0"], 10)
     assert fast.batches == _expected(["u1"], 4)
     assert _keys(mailbox, RECLAIMS) == []

@@ -264,6 +264,8 @@ class _Worker(Generic[B]):
         self.poll_interval = poll_interval
         self.lease_timeout = lease_timeout
         self.beat_interval = lease_timeout / 3
+        # The observer's clock, for judging other nodes' leases only (tests inject one);
+        # deadlines of this node's own mailbox calls are on time.monotonic, as retrying's.
         self.clock: Callable[[], float] = time.monotonic
         self.buffer: _Buffer[B] = _Buffer(prefetch)
         self.stopping = threading.Event()  # the producer must stop
@@ -447,13 +449,13 @@ class _Worker(Generic[B]):
 
     async def _start_lease(self) -> None:
         # An earlier life's beats (its leaving beat among them) go; numbers continue.
-        await self._heartbeat.start(deadline=self.clock() + self.lease_timeout)
+        await self._heartbeat.start(deadline=time.monotonic() + self.lease_timeout)
         if self._closing.is_set():
             return
         self._marks = asyncio.Queue()
         self._tasks = [
             asyncio.create_task(
-                self._heartbeat.run(self._closing, self.fail, give_up=True, clock=self.clock)
+                self._heartbeat.run(self._closing, self.fail, give_up=True, clock=time.monotonic)
             ),
             asyncio.create_task(self._mark_loop()),
         ]
@@ -506,7 +508,7 @@ class _Worker(Generic[B]):
             task.cancel()
         if self._heartbeat.number >= 0:
             with contextlib.suppress(Exception):  # else the lease lapses on its own
-                await self._heartbeat.leave(deadline=self.clock() + self.beat_interval)
+                await self._heartbeat.leave(deadline=time.monotonic() + self.beat_interval)
         asyncio.get_running_loop().create_task(self._stop_after_producer())
         return self._error
 
