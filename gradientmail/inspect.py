@@ -2,7 +2,8 @@
 
 What it shows: whether the run exists, its creator, fragments and algorithm (the manifest);
 training rounds committed, the newest round overall and per fragment, who contributed to
-the newest one and the samples committed; every learner with its newest beat, liveness,
+the newest one and the samples committed (each trained sample counted once, see
+:attr:`RunView.samples_committed`); every learner with its newest beat, liveness,
 steps and samples, and its sync-point counters (reached, contributed, skipped, seconds
 waited) with the share of the observer's recent time it spent waiting; rounds that have
 snapshots but no commit yet; the age of the newest commit and the sample throughput. Ages
@@ -13,6 +14,11 @@ are the flags the table, ``status --json`` and the operator all show.
 It only reads: ``get`` and ``list``, never ``put_if_absent`` or ``delete``.
 :class:`RunWatcher` keeps a per-fragment cursor over ``rounds/`` and a beat
 cache, so a poll reads only the commit records and beats that are new since the last one.
+Of the new commit records it reads the newest of each fragment: the running totals it
+carries (:class:`gradientmail.wire.records.Totals`) stand for every record before it, so
+a first poll (a new watcher, an operator just restarted) reads one record per fragment
+however long the run. A fragment whose newest record carries none (written before totals
+existed) has every new record read and counted, as before.
 A malformed record raises :class:`ProtocolError` naming its key; :class:`MailboxUnavailable`
 propagates (state read before the failure is kept, so the next poll goes on from there).
 """
@@ -49,6 +55,7 @@ from gradientmail.wire import (
     round_key,
     snapshot_key,
 )
+from gradientmail.wire.records import NO_TOTALS, Totals
 
 __all__ = [
     "STALLING_FRACTION",
@@ -134,11 +141,14 @@ class RunView:
     creator: str | None
     fragments: int | None  # None before the manifest exists
     algorithm: Mapping[str, Any] | None
-    rounds_committed: int  # training commits (round >= fragments)
+    rounds_committed: int  # training commits (round >= fragments), every fragment's
     newest_round: int | None  # newest training round
     newest_per_fragment: Mapping[int, int]  # fragment -> newest round, initial ones included
     last_contributors: tuple[str, ...]  # learners of the newest training commit
-    samples_committed: int  # contributor samples over every training commit seen
+    # Samples trained and committed, each counted once: every trained sample goes into one
+    # round of each fragment, so this is the fragments' committed samples summed, divided
+    # by the number of fragments (their mean, rounded down). samples_per_second is its rate.
+    samples_committed: int
     learners: tuple[LearnerView, ...]  # sorted by learner id
     live_learners: int
     open_rounds: Mapping[int, tuple[str, ...]]  # snapshotted, uncommitted rounds -> learners
@@ -184,9 +194,8 @@ class RunWatcher:
         self._manifest: Manifest | None = None
         self._newest: int | None = None  # newest committed round, initial ones included
         self._per_fragment: dict[int, int] = {}
-        self._rounds_committed = 0
+        self._totals: dict[int, Totals] = {}  # fragment -> its running totals, as read
         self._last_training: Commit | None = None
-        self._samples = 0
         self._commit_seen_at: float | None = None
         self._beats: dict[str, tuple[int, Beat | None]] = {}  # learner -> (beat, its record)
         self._reported_samples = 0
@@ -230,31 +239,60 @@ class RunWatcher:
         cursor = ""
         if len(self._per_fragment) == fragments:
             cursor = round_key(min(self._per_fragment.values()))
-        keys = [
-            key
-            for key in await self._mailbox.list(ROUNDS, after=cursor)
-            if parse_round_key(key) > self._per_fragment.get(parse_round_key(key) % fragments, -1)
-        ]
-        for start in range(0, len(keys), _BATCH):
-            batch = keys[start : start + _BATCH]
-            rounds = [parse_round_key(key) for key in batch]
+        new: dict[int, list[str]] = {}  # fragment -> its new keys, oldest first
+        for key in await self._mailbox.list(ROUNDS, after=cursor):
+            r = parse_round_key(key)
+            if r > self._per_fragment.get(r % fragments, -1):
+                new.setdefault(r % fragments, []).append(key)
+        # The newest record of each fragment first: its totals stand for all before it.
+        newest = [keys[-1] for keys in new.values()]
+        untotalled: list[Commit] = []  # newest records without totals, applied last
+        for start in range(0, len(newest), _BATCH):
+            batch = newest[start : start + _BATCH]
             records = await self._read_all(batch)
             seen = self._clock()
-            for key, r, data in zip(batch, rounds, records, strict=True):
-                commit = _decode(decode_commit, key, data)
-                if commit.fragment != r % fragments:
-                    raise ProtocolError(
-                        f"{key}: the record says fragment {commit.fragment}, but with "
-                        f"{fragments} fragments round {r} carries fragment {r % fragments}"
-                    )
-                if self._newest is None or r > self._newest:
-                    self._newest, self._commit_seen_at = r, seen
-                self._per_fragment[commit.fragment] = r
-                if r >= fragments:
-                    self._rounds_committed += 1
-                    self._samples += commit.samples
-                    if self._last_training is None or r > self._last_training.round:
-                        self._last_training = commit  # commits may land out of order
+            for key, data in zip(batch, records, strict=True):
+                commit = self._decode_commit(key, data, fragments)
+                if commit.running_totals(fragments) is None:
+                    untotalled.append(commit)
+                else:
+                    self._apply(commit, fragments, seen)
+        # A fragment whose newest record carries no totals (a run from before them): every
+        # new record is read and counted, oldest first; the newest (already read) last.
+        older = [key for commit in untotalled for key in new[commit.fragment][:-1]]
+        for start in range(0, len(older), _BATCH):
+            batch = older[start : start + _BATCH]
+            records = await self._read_all(batch)
+            seen = self._clock()
+            for key, data in zip(batch, records, strict=True):
+                self._apply(self._decode_commit(key, data, fragments), fragments, seen)
+        seen = self._clock()
+        for commit in untotalled:
+            self._apply(commit, fragments, seen)
+
+    @staticmethod
+    def _decode_commit(key: str, data: bytes | None, fragments: int) -> Commit:
+        commit = _decode(decode_commit, key, data)
+        r = parse_round_key(key)
+        if commit.fragment != r % fragments:
+            raise ProtocolError(
+                f"{key}: the record says fragment {commit.fragment}, but with "
+                f"{fragments} fragments round {r} carries fragment {r % fragments}"
+            )
+        return commit
+
+    def _apply(self, commit: Commit, fragments: int, seen: float) -> None:
+        """Take ``commit`` in: the newest of its fragment read so far."""
+        r = commit.round
+        totals = commit.running_totals(fragments)
+        if totals is None:  # a record from before totals: add it to the fragment's count
+            totals = self._totals.get(commit.fragment, NO_TOTALS).after(commit.samples)
+        self._totals[commit.fragment] = totals
+        self._per_fragment[commit.fragment] = r
+        if self._newest is None or r > self._newest:
+            self._newest, self._commit_seen_at = r, seen
+        if r >= fragments and (self._last_training is None or r > self._last_training.round):
+            self._last_training = commit  # commits may land out of order
 
     async def _read_beats(self) -> None:
         changed = [
@@ -325,25 +363,28 @@ class RunWatcher:
                     waiting_fraction=self._waiting_fraction(learner) if is_live else None,
                 )
             )
-        if self._samples != self._reported_samples:
-            self._changes = [*self._changes[-1:], (now, self._samples)]
-            self._reported_samples = self._samples
+        manifest, last = self._manifest, self._last_training
+        # Each sample is in one round of every fragment: counted once, it is the mean.
+        per = manifest.num_fragments if manifest else 1
+        samples = sum(t.samples for t in self._totals.values()) // per
+        if samples != self._reported_samples:
+            self._changes = [*self._changes[-1:], (now, samples)]
+            self._reported_samples = samples
         rate = None
         if len(self._changes) == 2:
             (t0, s0), (t1, s1) = self._changes
             rate = (s1 - s0) / (t1 - t0) if t1 > t0 else None
-        manifest, last = self._manifest, self._last_training
         creator = manifest.creator if manifest else self._claim.learner if self._claim else None
         return RunView(
             exists=manifest is not None or self._claim is not None,
             creator=creator,
             fragments=manifest.num_fragments if manifest else None,
             algorithm=MappingProxyType(dict(manifest.algorithm)) if manifest else None,
-            rounds_committed=self._rounds_committed,
+            rounds_committed=sum(t.rounds for t in self._totals.values()),
             newest_round=last.round if last else None,
             newest_per_fragment=MappingProxyType(dict(self._per_fragment)),
             last_contributors=tuple(c.learner for c in last.contributors) if last else (),
-            samples_committed=self._samples,
+            samples_committed=samples,
             learners=tuple(learners),
             live_learners=sum(view.live for view in learners),
             open_rounds=MappingProxyType(self._open_rounds(snapshots)),

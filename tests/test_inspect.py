@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -12,8 +13,11 @@ import pytest
 
 import gradientmail as gm
 from gradientmail import wire as p
+from gradientmail.events import Counters
 from gradientmail.inspect import STALLING_FRACTION, RunView, RunWatcher, SyncTotals, inspect_run
+from gradientmail.mailbox.metered import Metered
 from gradientmail.testing import FaultyMailbox
+from gradientmail.wire.records import NO_TOTALS, Totals
 
 P = 2  # fragments in every run built here
 
@@ -31,8 +35,10 @@ def fake_clock() -> tuple[list[float], Callable[[], float]]:
 class Run:
     """Writes protocol records directly, as the nodes of a run would."""
 
-    def __init__(self, box: gm.Mailbox) -> None:
+    def __init__(self, box: gm.Mailbox, *, totals: bool = False) -> None:
         self.box = box
+        self.totals = totals  # whether commits carry running totals (older ones do not)
+        self.running: dict[int, Totals] = {}  # fragment -> its totals so far
 
     def put(self, key: str, data: bytes) -> None:
         assert asyncio.run(self.box.put_if_absent(key, data))
@@ -53,6 +59,10 @@ class Run:
             self.commit(r, {})
 
     def commit(self, r: int, contributors: dict[str, int], fragment: int | None = None) -> None:
+        totals = None
+        if r >= P:
+            totals = self.running.get(r % P, NO_TOTALS).after(sum(contributors.values()))
+            self.running[r % P] = totals
         record = p.Commit(
             round=r,
             fragment=r % P if fragment is None else fragment,
@@ -64,6 +74,7 @@ class Run:
             params=sha(f"params {r}"),
             momentum=sha(f"momentum {r}") if r >= P else None,
             closer="alice",
+            totals=totals if self.totals else None,
         )
         self.put(p.round_key(r), p.encode(record))
 
@@ -163,7 +174,7 @@ def test_full_run_over_every_backend(mailbox: gm.Mailbox) -> None:
     assert view.newest_round == 4
     assert view.newest_per_fragment == {0: 4, 1: 3}
     assert view.last_contributors == ("l2", "l3")
-    assert view.samples_committed == 43
+    assert view.samples_committed == (10 + 20 + 5 + 7 + 1) // P  # each sample counted once
     assert view.open_rounds == {5: ("l1", "l2"), 6: ("l2",)}
     assert [lv.learner for lv in view.learners] == ["l1", "l2", "l3"]
     l1, l2, l3 = view.learners
@@ -195,7 +206,7 @@ def test_incremental_poll_reads_only_new_records() -> None:
     view = poll(watcher)
     assert faulty.calls["get"] == first + 2 + 1  # 2 new commits, 1 changed beat
     assert view.rounds_committed == 3
-    assert view.samples_committed == 15
+    assert view.samples_committed == (4 + 4 + 6 + 1) // P
     assert view.learners[1].steps == 9
     assert (faulty.calls["put_if_absent"], faulty.calls["delete"]) == (0, 0)
 
@@ -266,7 +277,7 @@ def test_unavailable_propagates_and_the_next_poll_goes_on() -> None:
     with pytest.raises(gm.MailboxUnavailable):
         poll(watcher)
     view = poll(watcher)
-    assert (view.rounds_committed, view.samples_committed) == (2, 10)  # counted once
+    assert (view.rounds_committed, view.samples_committed) == (2, 10 // P)  # counted once
     assert faulty.calls["get"] == 1 + 4  # the manifest, 4 commits: none read twice
 
 
@@ -313,7 +324,7 @@ def test_commit_age_and_throughput_on_the_observer_clock() -> None:
     watcher = RunWatcher(run.box, clock=clock)
     view = poll(watcher)
     assert view.seconds_since_commit == 0.0
-    assert view.samples_committed == 100
+    assert view.samples_committed == 100 // P  # once, not once per fragment
     assert view.samples_per_second is None  # one change point is not a rate
 
     now[0] += 5.0
@@ -325,16 +336,16 @@ def test_commit_age_and_throughput_on_the_observer_clock() -> None:
     run.commit(3, {"l1": 30, "l2": 20})
     view = poll(watcher)
     assert view.seconds_since_commit == 0.0
-    assert view.samples_per_second == pytest.approx(50 / 10.0)
+    assert view.samples_per_second == pytest.approx(50 / P / 10.0)
 
     now[0] += 3.0
     view = poll(watcher)  # an unchanged poll keeps the last rate
-    assert view.samples_per_second == pytest.approx(5.0)
+    assert view.samples_per_second == pytest.approx(2.5)
     assert view.seconds_since_commit == 3.0
 
     now[0] += 2.0
     run.commit(4, {"l1": 60})
-    assert poll(watcher).samples_per_second == pytest.approx(60 / 5.0)
+    assert poll(watcher).samples_per_second == pytest.approx(60 / P / 5.0)
 
 
 def test_view_mappings_are_read_only() -> None:
@@ -376,7 +387,7 @@ def test_out_of_order_commits_keep_the_newest_round() -> None:
         ("b",),
         2,
     )
-    assert (fresh.newest_round, fresh.last_contributors, fresh.samples_committed) == (3, ("b",), 12)
+    assert (fresh.newest_round, fresh.last_contributors, fresh.samples_committed) == (3, ("b",), 6)
 
 
 # -- sync points, from each learner's newest beat ---------------------------------------------
@@ -482,3 +493,97 @@ def test_waiting_fraction_and_stalling_on_the_observer_clock() -> None:
     now[0] += 10.0
     fast = poll(watcher).learners[0]
     assert (fast.live, fast.waiting_fraction, fast.stalling) == (False, None, False)
+
+
+# -- running totals: a first poll reads one commit record per fragment -------------------------
+
+
+def _history(run: Run, first: int, last: int) -> None:
+    """Training rounds ``first .. last - 1``, with changing contributors and samples."""
+    for r in range(first, last):
+        run.commit(r, {f"l{k}": 8 * (1 + (r + k) % 3) for k in range(1 + r % 3)})
+
+
+def _numbers(view: RunView) -> tuple[object, ...]:
+    return (
+        view.rounds_committed,
+        view.samples_committed,
+        view.newest_round,
+        dict(view.newest_per_fragment),
+        view.last_contributors,
+    )
+
+
+def _metered(box: gm.Mailbox) -> tuple[RunWatcher, Counters]:
+    counters = Counters()
+    return RunWatcher(Metered(box, counters, threading.Lock())), counters
+
+
+def _round_gets(counters: Counters) -> int:
+    return counters.requests.get("get:rounds", 0)
+
+
+def test_a_first_poll_reads_the_newest_commit_of_each_fragment() -> None:
+    rounds = 400
+    totalled, old = Run(gm.MemoryMailbox(), totals=True), Run(gm.MemoryMailbox())
+    for run in (totalled, old):
+        run.create()
+        _history(run, P, P + rounds)
+    samples = sum(
+        sum(8 * (1 + (r + k) % 3) for k in range(1 + r % 3)) for r in range(P, P + rounds)
+    )
+
+    watcher, counters = _metered(totalled.box)
+    fresh = poll(watcher)
+    assert _round_gets(counters) == P  # the newest record of each fragment, not all 402
+    assert counters.requests["list:rounds"] == 1
+    assert (fresh.rounds_committed, fresh.samples_committed) == (rounds, samples // P)
+    assert fresh.newest_round == P + rounds - 1
+    assert fresh.newest_per_fragment == {0: P + rounds - 2, 1: P + rounds - 1}
+
+    # The same view as counting every record (commits without totals: read one by one).
+    everything, old_counters = _metered(old.box)
+    assert _numbers(poll(everything)) == _numbers(fresh)
+    assert _round_gets(old_counters) == P + rounds
+
+    # Later polls: the newest new record of each fragment, however many landed.
+    for run in (totalled, old):
+        _history(run, P + rounds, P + rounds + 25)
+    gets = _round_gets(counters)
+    later = poll(watcher)
+    assert _round_gets(counters) == gets + P
+    assert _numbers(later) == _numbers(poll(everything))
+    assert later.rounds_committed == rounds + 25
+    assert _numbers(later) == _numbers(poll(_metered(totalled.box)[0]))  # and a fresh watcher
+
+    # Nothing new: nothing read.
+    gets = _round_gets(counters)
+    assert _numbers(poll(watcher)) == _numbers(later)
+    assert _round_gets(counters) == gets
+
+
+def test_a_run_from_before_totals_is_counted_record_by_record() -> None:
+    """Commits without totals (an earlier release's): every record is read, once, and a
+    closer that starts writing totals (its base an initial commit) is taken at its word."""
+    run = Run(gm.MemoryMailbox())
+    run.create()
+    _history(run, P, P + 7)
+    watcher, counters = _metered(run.box)
+    view = poll(watcher)
+    assert _round_gets(counters) == P + 7
+    assert view.rounds_committed == 7
+    _history(run, P + 7, P + 10)
+    view = poll(watcher)
+    assert _round_gets(counters) == P + 10  # the 3 new ones, none twice
+    assert view.rounds_committed == 10
+    # One fragment's newest record carries totals, the other's does not.
+    run.totals = True
+    run.commit(P + 10, {"l9": 80})  # fragment 0
+    run.totals = False
+    run.commit(P + 11, {"l9": 80})  # fragment 1
+    expected = _numbers(poll(watcher))
+    fresh, fresh_counters = _metered(run.box)
+    assert _numbers(poll(fresh)) == expected
+    # Fragment 0: its newest record alone; fragment 1: all of its records.
+    assert _round_gets(fresh_counters) == 1 + (P + 12) // 2
+    assert expected[0] == 12

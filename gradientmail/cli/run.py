@@ -339,7 +339,7 @@ def urlsplit_scheme(url: str) -> str:
 def _status_line(title: str, view: RunView | None, rate: float | None) -> str:
     if view is None or not view.exists:
         return f"[{title}] waiting for the run to appear"
-    shown = "—" if rate is None else f"{rate / (view.fragments or 1):,.0f}"
+    shown = "—" if rate is None else f"{rate:,.0f}"  # each sample counted once
     sync = view.sync
     trouble = ""
     if sync.skipped:

@@ -161,9 +161,8 @@ def _summary(view: RunView | None, polls: int, rate: float | None) -> Table:
         return grid
     fragments = "—" if view.fragments is None else str(view.fragments)
     newest = "—" if view.newest_round is None else str(view.newest_round)
-    # A sample counts once in every fragment's contribution: per fragment, it is counted once.
-    per = view.fragments or 1
-    shown_rate = _number(None if rate is None else rate / per, digits=0) if polls > 1 else "—"
+    # samples_committed (and so the rate) counts each trained sample once (RunView's docs).
+    shown_rate = _number(rate, digits=0) if polls > 1 else "—"
     lag = _number(view.seconds_since_commit, " s") if polls > 1 else "—"
     grid.add_row(
         f"rounds committed [bold]{view.rounds_committed}[/]",
@@ -177,7 +176,7 @@ def _summary(view: RunView | None, polls: int, rate: float | None) -> Table:
     )
     grid.add_row(
         f"fragments {fragments}",
-        f"samples committed {view.samples_committed // per:,}",
+        f"samples committed {view.samples_committed:,}",
         f"creator {view.creator or '—'}",
     )
     sync = view.sync

@@ -7,6 +7,16 @@ its sweep leaves a round unswept; the next commit of the fragment finds it by it
 (claims are deleted last) and sweeps it too, a bounded number of rounds per call. Deletes
 are idempotent, so two closers sweeping the same round at once lose nothing more.
 ``gradientmail sweep`` (``cli/housekeeping.py``) plans the same from a full listing.
+
+Round records (``rounds/…``) are never swept, only what they name. Since commits carry
+their fragment's running totals (``Commit.totals``), a status (``gradientmail.inspect``)
+no longer needs the old ones: it reads the newest record of each fragment. They stay all
+the same: they are small (no tensors), ``verify`` checks a commit against its base's
+record (``gradientmail verify`` every listed one), joiners and ``align`` fall back to an
+older commit when the newest cannot be read, a run written before totals existed still
+counts its status from every record, and ``gradientmail sweep`` keeps them as the run's
+history. Sweeping them would be a protocol change of its own (decided against here), not
+a side effect of the counters.
 """
 
 from __future__ import annotations

@@ -470,16 +470,25 @@ class RoundCloser:
         self._momentum.clear()
         if state_out is not None:
             self._momentum[fragment] = (momentum_key, new_momentum)
+        contributors = tuple(sorted(listed, key=lambda c: c.learner))
+        # The fragment's running totals: the base's and this round's; unknown when the
+        # base's are (a record from before totals existed): readers then count every record.
+        base_totals = base.running_totals(self.layout.count)
         commit = p.Commit(
             round=r,
             fragment=fragment,
             base=base.round,
-            contributors=tuple(sorted(listed, key=lambda c: c.learner)),
+            contributors=contributors,
             params=params_key,
             momentum=momentum_key,
             closer=self.learner,
             attempt=attempt,
             excluded=tuple(sorted(excluded, key=lambda x: x.key)),
+            totals=(
+                None
+                if base_totals is None
+                else base_totals.after(sum(c.samples for c in contributors))
+            ),
         )
         key = p.round_key(r)
         # Payloads first, then the record that points at them.

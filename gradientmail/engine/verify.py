@@ -9,6 +9,9 @@ payloads and its base commit's payloads, which the sweep removes once ``keep_rou
 newer commits of the same fragment exist (with the default 2: as soon as the next commit
 of that fragment lands), so verify commits as they land, or raise ``keep_rounds``.
 
+A record's running totals (``totals``, when it carries them) must be its base's plus its
+own round: training rounds one more, samples its contributors' more.
+
 Only a record's ``contributors`` are combined: the snapshots it lists as ``excluded`` (the
 closer could not load or verify them) are reported in :attr:`Verified.excluded`, and a
 learner may not appear in both.
@@ -31,6 +34,7 @@ from gradientmail.mailbox import Mailbox
 from gradientmail.payload import encode, encode_payload, get_tensors
 from gradientmail.wire import is_parts_key
 from gradientmail.wire.parts import parse_index
+from gradientmail.wire.records import NO_TOTALS
 
 __all__ = ["Verified", "verify_commit"]
 
@@ -60,6 +64,24 @@ async def _stored_key(box: Mailbox, tensors: Mapping[str, torch.Tensor], stored:
     return encode_payload(tensors, parse_index(stored, data)[0]["size"]).key
 
 
+def _check_totals(key: str, commit: p.Commit, base: p.Commit, fragments: int) -> None:
+    """A commit's running totals are its base's plus its own round. Optional (records from
+    before they existed have none), but a record that carries them must carry these."""
+    if commit.totals is None:
+        return
+    base_totals = base.running_totals(fragments)
+    if base_totals is None:
+        raise ProtocolError(
+            f"{key}: carries totals, but its base {p.round_key(base.round)} has none to add to"
+        )
+    expected = base_totals.after(commit.samples)
+    if commit.totals != expected:
+        raise ProtocolError(
+            f"{key}: totals {commit.totals.rounds} rounds, {commit.totals.samples} samples; "
+            f"its base's plus this round make {expected.rounds} rounds, {expected.samples} samples"
+        )
+
+
 async def verify_commit(box: Mailbox, r: int, manifest: p.Manifest | None = None) -> Verified:
     """Check commit ``r``; raise :class:`ProtocolError` if it is not what its record implies."""
     if manifest is None:
@@ -76,6 +98,10 @@ async def verify_commit(box: Mailbox, r: int, manifest: p.Manifest | None = None
     if r < fragments:
         if commit.contributors or commit.base is not None:
             raise ProtocolError(f"{key}: an initial commit must have no base or contributors")
+        if commit.totals not in (None, NO_TOTALS):
+            raise ProtocolError(
+                f"{key}: an initial commit's totals must be zero, not {commit.totals}"
+            )
         return Verified(r, fragment, (), 0, True)
     del params  # it decodes: that was the check
     if commit.base != r - fragments:
@@ -89,6 +115,7 @@ async def verify_commit(box: Mailbox, r: int, manifest: p.Manifest | None = None
         raise ProtocolError(f"{key}: {both} are listed as contributors and as excluded")
     base_key = p.round_key(commit.base)
     base = p.decode_commit(base_key, await _record(box, base_key))
+    _check_totals(key, commit, base, fragments)
     base_params = await retrying(partial(get_tensors, box, base.params, specs))
     momentum = None
     if base.momentum is not None:

@@ -30,6 +30,7 @@ from gradientmail.wire.records import (
     Manifest,
     Snapshot,
     TensorSpec,
+    Totals,
 )
 
 _R = TypeVar("_R")
@@ -199,6 +200,10 @@ def decode_commit(key: str, data: bytes | None) -> Commit:
     for item in reader.items("excluded") if "excluded" in reader.obj else ():
         sub = _Reader.of(f"{key} exclusion", item)
         excluded.append(Exclusion(sub.text("learner"), sub.text("key"), sub.text("reason")))
+    totals = None
+    if "totals" in reader.obj:  # added later: absent from older records
+        sub = _Reader.of(f"{key} totals", reader.obj["totals"])
+        totals = Totals(sub.integer("rounds"), sub.integer("samples"))
     commit = Commit(
         round=reader.integer("round"),
         fragment=reader.integer("fragment"),
@@ -209,6 +214,7 @@ def decode_commit(key: str, data: bytes | None) -> Commit:
         closer=reader.text("closer"),
         attempt=reader.integer("attempt"),
         excluded=tuple(excluded),
+        totals=totals,
     )
     if key.startswith(ROUNDS) and parse_round_key(key) != commit.round:
         raise ProtocolError(f"{key}: the record says round {commit.round}")

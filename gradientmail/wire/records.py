@@ -48,6 +48,11 @@ class ExclusionWire(TypedDict):
     reason: str
 
 
+class TotalsWire(TypedDict):
+    rounds: int
+    samples: int
+
+
 class CommitWire(TypedDict):
     format: int
     round: int
@@ -60,6 +65,8 @@ class CommitWire(TypedDict):
     attempt: int
     # Added later, and written only when not empty: older records and readers are unaffected.
     excluded: NotRequired[list[ExclusionWire]]
+    # Added later, and written only when known: the fragment's running totals (see Totals).
+    totals: NotRequired[TotalsWire]
 
 
 class SnapshotWire(TypedDict):
@@ -213,6 +220,32 @@ class Exclusion:
 
 
 @dataclass(frozen=True)
+class Totals:
+    """A fragment's running totals, up to and including one commit: ``rounds``, its training
+    commits (rounds ``>= P``: the initial commits do not count); ``samples``, the samples of
+    every contribution those commits combined (``Commit.samples`` summed). Each sample a
+    learner trains goes into one round of every fragment, so a fragment's ``samples`` count
+    each sample once.
+
+    A closer writes them as its base's totals plus its own round (:meth:`after`); an
+    initial commit's are zero, written or not. Readers take a status from the newest commit
+    of each fragment instead of summing every record (``gradientmail.inspect``)."""
+
+    rounds: int
+    samples: int
+
+    def after(self, samples: int) -> Totals:
+        """These totals followed by one training commit of ``samples`` samples."""
+        return Totals(self.rounds + 1, self.samples + samples)
+
+    def to_wire(self) -> TotalsWire:
+        return {"rounds": self.rounds, "samples": self.samples}
+
+
+NO_TOTALS = Totals(0, 0)  # an initial commit's
+
+
+@dataclass(frozen=True)
 class Commit:
     """Round ``round``'s result for ``fragment``: new parameters and outer momentum.
 
@@ -220,6 +253,10 @@ class Commit:
     ``contributors`` are combined; ``excluded`` lists snapshots of the round the closer
     could not load or verify, and why. Rounds ``< P`` are the initial commits: ``base`` is
     ``None`` and there are no contributors.
+
+    ``totals``: the fragment's running totals including this round (:class:`Totals`), or
+    ``None`` when not known: a record written before they existed, or built on one (a
+    closer computes them from its base's only). Left out of the wire when ``None``.
     """
 
     round: int
@@ -232,10 +269,18 @@ class Commit:
     attempt: int = 0
     format: int = FORMAT_VERSION
     excluded: tuple[Exclusion, ...] = ()
+    totals: Totals | None = None
 
     @property
     def samples(self) -> int:
         return sum(c.samples for c in self.contributors)
+
+    def running_totals(self, fragments: int) -> Totals | None:
+        """The fragment's totals up to this commit: the record's, zero for an initial commit
+        (round ``< fragments``) that carries none, ``None`` when unknown."""
+        if self.totals is None and self.round < fragments:
+            return NO_TOTALS
+        return self.totals
 
     def to_wire(self) -> CommitWire:
         wire: CommitWire = {
@@ -253,6 +298,8 @@ class Commit:
             wire["excluded"] = [
                 {"learner": x.learner, "key": x.key, "reason": x.reason} for x in self.excluded
             ]
+        if self.totals is not None:
+            wire["totals"] = self.totals.to_wire()
         return wire
 
 
