@@ -12,6 +12,7 @@ The pure derivations from a spec to what a node sees (:func:`mailbox_url`,
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import Annotated, Any, Literal
 from urllib.parse import urlencode, urlsplit, urlunsplit
@@ -64,22 +65,75 @@ class Toleration(_Model):
 
 
 class Resources(_Model):
-    requests: dict[str, str | int] | None = Field(default=None, description="e.g. cpu: 2")
-    limits: dict[str, str | int] | None = Field(default=None, description="e.g. memory: 8Gi")
+    requests: dict[str, str | int] | None = Field(
+        default=None, description="e.g. cpu: 2, memory: 8Gi, nvidia.com/gpu: 1"
+    )
+    limits: dict[str, str | int] | None = Field(
+        default=None, description="e.g. memory: 8Gi, nvidia.com/gpu: 1"
+    )
+
+
+class LocalObjectReference(_Model):
+    name: str = Field(min_length=1)
+
+
+_FREE_FORM = "Kubernetes {what}, as in a pod spec; passed through as given."
 
 
 class PodTemplate(_Model):
     """What each node pod runs. Defaults run the built-in node (``gradientmail.node``)."""
 
+    # The fields a PyTorchJob or JobSet user writes for a pod and its container, by the same
+    # names. Kubernetes objects (volumes, affinity, security contexts, ...) are taken as
+    # given: the API server validates them when the pod is created. Only what the operator
+    # relies on is checked here: volumes have unique names, every volume mount names a
+    # declared volume, GRADIENTMAIL_* variables are the operator's.
+
     image: str = Field(default=DEFAULT_IMAGE, min_length=1, description="Node image.")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
+    image_pull_secrets: list[LocalObjectReference] | None = Field(
+        default=None, description="Secrets to pull the node image with ({name: regcred})."
+    )
     command: list[str] = Field(default_factory=lambda: list(DEFAULT_COMMAND))
     args: list[str] = Field(default_factory=list)
+    working_dir: str | None = Field(default=None, description="The container's working dir.")
     env: list[EnvVar] = Field(default_factory=list, description="Extra environment.")
+    env_from: list[dict[str, Any]] | None = Field(
+        default=None,
+        description=_FREE_FORM.format(what="EnvFromSources (configMapRef, secretRef, prefix)"),
+    )
     resources: Resources | None = None
+    volumes: list[dict[str, Any]] | None = Field(
+        default=None, description=_FREE_FORM.format(what="Volumes (each a name and one source)")
+    )
+    volume_mounts: list[dict[str, Any]] | None = Field(
+        default=None,
+        description=_FREE_FORM.format(
+            what="VolumeMounts (each the name of a volume and a mountPath)"
+        ),
+    )
     node_selector: dict[str, str] | None = None
+    affinity: dict[str, Any] | None = Field(
+        default=None, description=_FREE_FORM.format(what="Affinity")
+    )
     tolerations: list[Toleration] | None = None
+    priority_class_name: str | None = None
+    runtime_class_name: str | None = None
     service_account_name: str | None = None
+    security_context: dict[str, Any] | None = Field(
+        default=None,
+        description=(
+            "The container's SecurityContext. Replaces the restricted default (non-root, "
+            "no privilege escalation, all capabilities dropped, RuntimeDefault seccomp)."
+        ),
+    )
+    pod_security_context: dict[str, Any] | None = Field(
+        default=None,
+        description=(
+            "The pod's PodSecurityContext. Replaces the restricted default (runAsNonRoot, "
+            "user, group and fsGroup 1000, RuntimeDefault seccomp)."
+        ),
+    )
     labels: dict[str, str] = Field(default_factory=dict, description="Extra pod labels.")
     annotations: dict[str, str] = Field(default_factory=dict)
 
@@ -92,6 +146,44 @@ class PodTemplate(_Model):
                     f"env {var.name}: GRADIENTMAIL_* variables are set by the operator"
                 )
         return env
+
+    @field_validator("volumes")
+    @classmethod
+    def _named_volumes(cls, volumes: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        seen: set[str] = set()
+        for i, volume in enumerate(volumes or []):
+            name = volume.get("name")
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"template.volumes[{i}] has no name")
+            if name in seen:
+                raise ValueError(f"template.volumes: the name {name!r} is used twice")
+            seen.add(name)
+        return volumes
+
+    @field_validator("volume_mounts")
+    @classmethod
+    def _complete_mounts(cls, mounts: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for i, mount in enumerate(mounts or []):
+            name, path = mount.get("name"), mount.get("mountPath")
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"template.volumeMounts[{i}] has no name (of a volume)")
+            if not isinstance(path, str) or not path.startswith("/"):
+                raise ValueError(
+                    f"template.volumeMounts[{i}] ({name!r}) needs an absolute mountPath"
+                )
+        return mounts
+
+    @model_validator(mode="after")
+    def _mounts_name_volumes(self) -> PodTemplate:
+        declared = {v["name"] for v in self.volumes or []}
+        for mount in self.volume_mounts or []:
+            if mount["name"] not in declared:
+                raise ValueError(
+                    f"template.volumeMounts: the mount {mount['name']!r} at "
+                    f"{mount['mountPath']} names no volume in template.volumes"
+                    + (f" (declared: {', '.join(sorted(declared))})" if declared else "")
+                )
+        return self
 
 
 class SecretRef(_Model):
@@ -114,6 +206,14 @@ class MailboxSpec(_Model):
     prefix: str = Field(default="gradientmail", description="Base prefix for runs.")
     region: str | None = None
     credentials_secret: SecretRef | None = None
+    poll_status: bool = Field(
+        default=True,
+        description=(
+            "The operator polls the mailbox to show rounds and learners in the status; this "
+            "reads the credentials Secret. false: no Secret read, no mailbox access by the "
+            "operator (the status shows pods only)."
+        ),
+    )
 
     @model_validator(mode="after")
     def _url_or_bucket(self) -> MailboxSpec:
@@ -192,9 +292,22 @@ def mailbox_url(spec: GradientMailRunSpec, prefix: str) -> str:
     return f"s3://{box.bucket}/{path}{tail}"
 
 
+_LEARNER_MAX = 128  # gradientmail.wire.check_learner_id
+
+
 def learner_id(run: str, index: int) -> str:
-    """Node ``index``'s learner id; stable across restarts, so a replaced node rejoins."""
-    return re.sub(r"[^A-Za-z0-9._-]", "-", f"{run}-node-{index}")[:128]
+    """Node ``index``'s learner id; stable across restarts, so a replaced node rejoins.
+
+    ``{run}-node-{index}``; when that is over 128 characters (run names go up to 253), the
+    run's name is cut and a hash of the whole name keeps the ids of different runs and
+    nodes apart: ``{start of run}-{10 hex}-node-{index}``.
+    """
+    full = re.sub(r"[^A-Za-z0-9._-]", "-", f"{run}-node-{index}")
+    if len(full) <= _LEARNER_MAX:
+        return full
+    tail = f"-{hashlib.sha256(run.encode()).hexdigest()[:10]}-node-{index}"
+    head = re.sub(r"[^A-Za-z0-9._-]", "-", run)[: _LEARNER_MAX - len(tail)]
+    return head + tail
 
 
 def node_env(spec: GradientMailRunSpec, run: str, index: int, url: str) -> NodeEnv:
