@@ -1,12 +1,30 @@
-"""kopf handlers: every event, and a timer, run the same level-triggered reconcile.
+"""kopf handlers: event-driven reconcile of each run, its mailbox status apart.
 
 Run with ``kopf run -m gradientmail_operator.handlers --all-namespaces`` (or
-``--namespace``). Settings come from the environment:
+``--namespace``). Per run, two daemons:
 
-- ``GRADIENTMAIL_OPERATOR_RECONCILE_INTERVAL``: seconds between reconciles of a run (2).
+- **pods** (:func:`run_pods_loop`): reconciles when woken (a change of the run, or of one of
+  its pods, which the operator watches and indexes by run) and otherwise every
+  ``RECONCILE_INTERVAL`` seconds as a safety net; it writes the status, and only the fields
+  that changed, never for a finished run once its last word is written.
+- **status** (:func:`run_status_loop`): polls the mailbox every ``STATUS_INTERVAL`` seconds on
+  a loop and threads of its own (``observer.py``) with a time budget per poll, hands what it
+  saw to the pods loop, and makes one final poll when the run ends.
+
+Settings come from the environment:
+
+- ``GRADIENTMAIL_OPERATOR_RECONCILE_INTERVAL``: seconds between safety reconciles (60).
 - ``GRADIENTMAIL_OPERATOR_STATUS_INTERVAL``: seconds between mailbox polls per run (10).
+- ``GRADIENTMAIL_OPERATOR_POLL_BUDGET``: seconds one poll may take before the status says
+  so (30); the poll goes on in the background, no second one starts.
+- ``GRADIENTMAIL_OPERATOR_SECRET_CHECK``: seconds between checks of a run's Secret for a
+  rotation (60); a failed authentication re-reads it at once.
+- ``GRADIENTMAIL_OPERATOR_RESTART_BACKOFF``: ``base,cap`` seconds of the per-node restart
+  backoff (``10,300``).
 - ``GRADIENTMAIL_OPERATOR_NODE_IMAGE``: image for runs that name none.
 - ``GRADIENTMAIL_OPERATOR_POD_LABELS``: extra pod labels, ``k=v,k2=v2``.
+- ``GRADIENTMAIL_OPERATOR_FILE_MAILBOXES``: ``shared`` accepts ``file://`` mailboxes without a
+  claim behind them (a single-node cluster whose pods share one filesystem).
 - ``GRADIENTMAIL_OPERATOR_CLUSTER_SCANNING``: ``0`` turns off kopf's cluster-wide observation
   of CRDs and namespaces (``settings.scanning.disabled``), for namespaced installs whose
   RBAC grants nothing cluster-wide (``1``).
@@ -17,36 +35,61 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
+from collections.abc import Callable
 from typing import Any
 
 import kopf
 from pydantic import ValidationError
 
 import gradientmail as gm
-from gradientmail.inspect import RunView, RunWatcher
 from gradientmail.launch.runspec import GROUP, PLURAL, VERSION, GradientMailRunSpec
 from gradientmail_operator import render
-from gradientmail_operator.kube import Kube
-from gradientmail_operator.reconcile import Phase, Reason, plan
-from gradientmail_operator.status import (
-    conditions_patch,
-    sync_condition,
-    sync_warnings,
-    view_status,
-)
+from gradientmail_operator.kube import Credentials, Kube
+from gradientmail_operator.observer import Observer
+from gradientmail_operator.reconcile import Phase, PodState, Reason, RestartBackoff
+from gradientmail_operator.runs import RunState, reconcile_pass
 
-RECONCILE_INTERVAL = float(os.environ.get("GRADIENTMAIL_OPERATOR_RECONCILE_INTERVAL", "2"))
-STATUS_INTERVAL = float(os.environ.get("GRADIENTMAIL_OPERATOR_STATUS_INTERVAL", "10"))
+
+def _seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name, "")
+    try:
+        value = float(raw) if raw else default
+    except ValueError:
+        raise SystemExit(f"{name}={raw!r}: give a number of seconds") from None
+    if value <= 0:
+        raise SystemExit(f"{name}={raw!r}: must be positive")
+    return value
+
+
+def _backoff_policy() -> RestartBackoff:
+    raw = os.environ.get("GRADIENTMAIL_OPERATOR_RESTART_BACKOFF", "10,300")
+    try:
+        base, cap = (float(x) for x in raw.split(","))
+    except ValueError:
+        raise SystemExit(
+            f"GRADIENTMAIL_OPERATOR_RESTART_BACKOFF={raw!r}: give 'base,cap' in seconds"
+        ) from None
+    return RestartBackoff(base=base, cap=cap)
+
+
+RECONCILE_INTERVAL = _seconds("GRADIENTMAIL_OPERATOR_RECONCILE_INTERVAL", 60.0)
+STATUS_INTERVAL = _seconds("GRADIENTMAIL_OPERATOR_STATUS_INTERVAL", 10.0)
+POLL_BUDGET = _seconds("GRADIENTMAIL_OPERATOR_POLL_BUDGET", 30.0)
+SECRET_CHECK = _seconds("GRADIENTMAIL_OPERATOR_SECRET_CHECK", 60.0)
+BACKOFF = _backoff_policy()
 NODE_IMAGE = os.environ.get("GRADIENTMAIL_OPERATOR_NODE_IMAGE", "")
 POD_LABELS = dict(
     item.split("=", 1)
     for item in os.environ.get("GRADIENTMAIL_OPERATOR_POD_LABELS", "").split(",")
     if "=" in item
 )
+SHARED_FILES = os.environ.get("GRADIENTMAIL_OPERATOR_FILE_MAILBOXES", "") == "shared"
 CLUSTER_SCANNING = os.environ.get("GRADIENTMAIL_OPERATOR_CLUSTER_SCANNING", "1") != "0"
 
+_log = logging.getLogger("gradientmail.operator")
 _kube: Kube | None = None
+RUNS: dict[tuple[str, str], RunState] = {}
+"""(namespace, run name) -> what this operator keeps of the run between passes."""
 
 
 def kube() -> Kube:
@@ -54,6 +97,13 @@ def kube() -> Kube:
     if _kube is None:
         _kube = Kube()
     return _kube
+
+
+def _state(namespace: str, name: str) -> RunState:
+    key = (namespace, name)
+    if key not in RUNS:
+        RUNS[key] = RunState(observer=Observer(budget=POLL_BUDGET, secret_check=SECRET_CHECK))
+    return RUNS[key]
 
 
 @kopf.on.startup()
@@ -65,13 +115,65 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     kube()
 
 
-def _spec(body: kopf.Body) -> GradientMailRunSpec:
+# -- the pods, watched and indexed by run -------------------------------------------------------
+
+
+def _run_of(meta: kopf.Meta, labels: kopf.Labels) -> str:
+    # A long run name is hashed into the label; the annotation keeps it whole.
+    annotations = meta.get("annotations") or {}
+    return str(annotations.get(f"{GROUP}/run-name") or labels.get(render.LABEL_RUN, ""))
+
+
+@kopf.index("", "v1", "pods", labels={render.LABEL_MANAGED: render.MANAGER})
+def run_pods(
+    namespace: str | None, meta: kopf.Meta, labels: kopf.Labels, status: kopf.Status, **_: Any
+) -> dict[tuple[str, str], PodState]:
+    index = str(labels.get(render.LABEL_INDEX, ""))
+    run = _run_of(meta, labels)
+    if not run or not index.isdigit():
+        return {}
+    return {
+        (str(namespace), run): PodState(
+            name=str(meta.get("name")),
+            index=int(index),
+            phase=str(status.get("phase") or "Pending"),
+            deleting=meta.get("deletionTimestamp") is not None,
+            uid=str(meta.get("uid", "")),
+        )
+    }
+
+
+@kopf.on.event("", "v1", "pods", labels={render.LABEL_MANAGED: render.MANAGER})
+def pod_changed(namespace: str | None, meta: kopf.Meta, labels: kopf.Labels, **_: Any) -> None:
+    state = RUNS.get((str(namespace), _run_of(meta, labels)))
+    if state is not None:
+        state.wake.set()
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+def run_changed(namespace: str | None, name: str, **_: Any) -> None:
+    state = RUNS.get((str(namespace), name))
+    if state is not None:
+        state.wake.set()
+
+
+# -- the spec ----------------------------------------------------------------------------------
+
+
+def _spec(body: kopf.Body) -> tuple[GradientMailRunSpec | None, str | None]:
     raw = dict(body.get("spec", {}))
     if NODE_IMAGE:
         template = dict(raw.get("template") or {})
         template.setdefault("image", NODE_IMAGE)
         raw["template"] = template
-    return GradientMailRunSpec.model_validate(raw)
+    try:
+        spec = GradientMailRunSpec.model_validate(raw)
+    except ValidationError as exc:
+        return None, _describe(exc)
+    problems = [] if SHARED_FILES else render.cluster_problems(spec)
+    if problems:
+        return None, "; ".join(problems)
+    return spec, None
 
 
 def _describe(error: ValidationError) -> str:
@@ -82,183 +184,135 @@ def _describe(error: ValidationError) -> str:
     return "; ".join(parts)
 
 
-async def _credentials(spec: GradientMailRunSpec, namespace: str) -> dict[str, str]:
-    secret = spec.mailbox.credentials_secret
-    if secret is None:
-        return {}
-    values = await kube().secret_values(
-        namespace, secret.name, [secret.access_key_id_key, secret.secret_access_key_key]
-    )
-    return {
-        "aws_access_key_id": values[secret.access_key_id_key],
-        "aws_secret_access_key": values[secret.secret_access_key_key],
-    }
+def _credentials(spec: GradientMailRunSpec, namespace: str) -> Callable[[], Any]:
+    async def read() -> Credentials | None:
+        secret = spec.mailbox.credentials_secret
+        if secret is None:
+            return None
+        read = await kube().secret_values(
+            namespace, secret.name, [secret.access_key_id_key, secret.secret_access_key_key]
+        )
+        values = {
+            "aws_access_key_id": read.values[secret.access_key_id_key],
+            "aws_secret_access_key": read.values[secret.secret_access_key_key],
+        }
+        return Credentials(values, read.version)
+
+    return read
 
 
-@kopf.on.resume(GROUP, VERSION, PLURAL)
-@kopf.on.create(GROUP, VERSION, PLURAL)
-@kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
-async def on_change(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
-    await reconcile(body, patch, memo)
+def _terminal(status: dict[str, Any]) -> bool:
+    return status.get("phase") in (Phase.SUCCEEDED.value, Phase.FAILED.value)
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=RECONCILE_INTERVAL, initial_delay=RECONCILE_INTERVAL)
-async def on_timer(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
-    await reconcile(body, patch, memo)
+def _live(status: kopf.Status, **_: Any) -> bool:
+    """A run whose daemons run: not finished, or finished without its last word written
+    (a final status poll; also for runs that ended under an older operator)."""
+    return not (_terminal(dict(status)) and status.get("statusFinal"))
 
 
-async def reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo) -> None:
-    namespace = str(body.metadata.namespace)
-    name, uid = str(body.metadata.name), str(body.metadata.uid)
-    status = dict(body.get("status") or {})
-    conditions = list(status.get("conditions") or [])
-    patch.status["observedGeneration"] = body.metadata.get("generation")
-    phase_text = status.get("phase") or Phase.PENDING.value
-    if phase_text in (Phase.SUCCEEDED.value, Phase.FAILED.value):
-        return  # terminal: a finished or failed run is never re-created
+async def _pause(state: RunState, stopped: kopf.DaemonStopped, seconds: float) -> None:
+    """Sleep until woken, stopped, or ``seconds`` pass."""
+
+    async def until_stopped() -> None:
+        await stopped.wait()
+
+    tasks = {asyncio.ensure_future(state.wake.wait()), asyncio.ensure_future(until_stopped())}
     try:
-        spec = _spec(body)
-    except ValidationError as exc:
-        message = _describe(exc)
-        if status.get("phase") != "Invalid" or _condition(conditions, "SpecValid") != message:
-            kopf.warn(body, reason=Reason.INVALID_SPEC.value, message=message)
-        patch.status["phase"] = "Invalid"
-        patch.status["conditions"] = conditions_patch(
-            conditions, "SpecValid", False, Reason.INVALID_SPEC, message
-        )
-        return
-    conditions = conditions_patch(conditions, "SpecValid", True, Reason.PODS_STARTING, "ok")
-    prefix = status.get("prefix") or render.run_prefix(namespace, name, uid)
-    url = render.mailbox_url(spec, prefix)
-    patch.status["prefix"] = prefix
-    patch.status["mailbox"] = url  # no credentials in it: those stay in the Secret
-    try:
-        credentials = await _credentials(spec, namespace)
-    except LookupError as exc:
-        if _condition(conditions, "PodsReady") != str(exc):
-            kopf.warn(body, reason=Reason.SECRET_MISSING.value, message=str(exc))
-        patch.status["phase"] = Phase.PENDING.value
-        patch.status["conditions"] = conditions_patch(
-            conditions, "PodsReady", False, Reason.SECRET_MISSING, str(exc)
-        )
-        return
-    pods = await kube().pods(namespace, name)
-    decision = plan(
-        spec,
-        Phase(phase_text if phase_text != "Invalid" else "Pending"),
-        int(status.get("restarts", 0)),
-        pods,
-    )
-    for pod_name in decision.delete:
-        await kube().delete_pod(namespace, pod_name)
-    for index in decision.create:
-        manifest = render.pod_manifest(
-            spec,
-            namespace=namespace,
-            run=name,
-            uid=uid,
-            index=index,
-            url=url,
-            extra_labels=POD_LABELS,
-        )
-        await kube().create_pod(namespace, manifest)
-    for event in decision.events:
-        kopf.event(body, type=event.type, reason=event.reason.value, message=event.message)
-    patch.status["phase"] = decision.phase.value
-    patch.status["restarts"] = decision.restarts
-    patch.status["nodes"] = {
-        "desired": spec.nodes,
-        "running": decision.ready,
-        "succeeded": decision.succeeded,
-        "failed": decision.failed,
-    }
-    conditions = conditions_patch(
-        conditions,
-        "PodsReady",
-        decision.reason == Reason.PODS_READY,
-        decision.reason,
-        decision.message,
-    )
-    conditions = conditions_patch(
-        conditions,
-        "Complete",
-        decision.phase == Phase.SUCCEEDED,
-        decision.reason,
-        decision.message,
-    )
-    conditions = conditions_patch(
-        conditions, "Failed", decision.phase == Phase.FAILED, decision.reason, decision.message
-    )
-    conditions = await _observe(body, memo, url, credentials, conditions, patch)
-    patch.status["conditions"] = conditions
+        await asyncio.wait(tasks, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+    state.wake.clear()
 
 
-def _condition(conditions: list[dict[str, Any]], kind: str) -> str | None:
-    for condition in conditions:
-        if condition.get("type") == kind:
-            return str(condition.get("message"))
-    return None
+# -- the daemons ------------------------------------------------------------------------------
 
 
-async def _observe(
-    body: kopf.Body,
-    memo: kopf.Memo,
-    url: str,
-    credentials: dict[str, str],
-    conditions: list[dict[str, Any]],
-    patch: kopf.Patch,
-) -> list[dict[str, Any]]:
-    """Poll the mailbox (at most every STATUS_INTERVAL s) and fold it into the status."""
-    now = time.monotonic()
-    if now - memo.get("polled_at", -1e9) < STATUS_INTERVAL:
-        return conditions
-    memo["polled_at"] = now
-    watcher: RunWatcher | None = memo.get("watcher")
-    if watcher is None or memo.get("watcher_url") != url:
+@kopf.daemon(GROUP, VERSION, PLURAL, when=_live, cancellation_timeout=10.0)
+async def run_pods_loop(body: kopf.Body, stopped: kopf.DaemonStopped, **kwargs: Any) -> None:
+    index: kopf.Index[tuple[str, str], PodState] = kwargs["run_pods"]  # the index above
+    namespace, name = str(body.metadata.namespace), str(body.metadata.name)
+    uid = str(body.metadata.uid)
+    state = _state(namespace, name)
+
+    def post(kind: str, reason: Reason, message: str) -> None:
+        kopf.event(body, type=kind, reason=reason.value, message=message)
+
+    while not stopped:
+        spec, error = _spec(body)
+        pods = list(index.get((namespace, name), []))
         try:
-            box = gm.open_mailbox(url, **credentials)
-        except ValueError as exc:
-            return conditions_patch(
-                conditions, "MailboxReachable", False, Reason.MAILBOX_MISCONFIGURED, str(exc)
+            changes, decision = await reconcile_pass(
+                state=state,
+                body_status=dict(body.get("status") or {}),
+                generation=body.metadata.get("generation"),
+                namespace=namespace,
+                name=name,
+                uid=uid,
+                spec=spec,
+                spec_error=error,
+                pods=pods,
+                kube=kube(),
+                post=post,
+                policy=BACKOFF,
+                pod_labels=POD_LABELS,
             )
-        watcher = RunWatcher(box)
-        memo["watcher"], memo["watcher_url"] = watcher, url
+            if changes:
+                await kube().patch_status(namespace, name, changes)
+                state.written.update(changes)
+        except Exception as exc:  # an API error: logged, retried on the next pass
+            _log.warning("run %s/%s: reconcile failed: %s", namespace, name, exc)
+            await _pause(state, stopped, min(RECONCILE_INTERVAL, 5.0))
+            continue
+        status = {**dict(body.get("status") or {}), **state.written}
+        if _terminal(status):
+            if status.get("statusFinal"):
+                return  # the last word is written: nothing more for this run
+            state.final_requested.set()
+        wait = RECONCILE_INTERVAL
+        if decision is not None and decision.wake_in is not None:
+            wait = min(wait, max(decision.wake_in, 0.05))
+        await _pause(state, stopped, wait)
+
+
+@kopf.daemon(GROUP, VERSION, PLURAL, when=_live, cancellation_timeout=10.0)
+async def run_status_loop(body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any) -> None:
+    namespace, name = str(body.metadata.namespace), str(body.metadata.name)
+    state = _state(namespace, name)
+    while not stopped:
+        spec, _error = _spec(body)
+        status = {**dict(body.get("status") or {}), **state.written}
+        final = _terminal(status) or state.final_requested.is_set()
+        url = status.get("mailbox")
+        if spec is not None and url:
+            state.observation = await state.observer.observe(
+                spec, str(url), _credentials(spec, namespace)
+            )
+        if final:
+            state.final_observed = True
+            state.wake.set()
+            return
+        state.wake.set()
+        await _wait_for_final(state, stopped, STATUS_INTERVAL)
+
+
+async def _wait_for_final(state: RunState, stopped: kopf.DaemonStopped, seconds: float) -> None:
+    async def until_stopped() -> None:
+        await stopped.wait()
+
+    tasks = {
+        asyncio.ensure_future(state.final_requested.wait()),
+        asyncio.ensure_future(until_stopped()),
+    }
     try:
-        view: RunView = await watcher.poll()
-    except gm.MailboxConfigError as exc:
-        _warn_once(body, memo, Reason.MAILBOX_MISCONFIGURED, str(exc))
-        return conditions_patch(
-            conditions, "MailboxReachable", False, Reason.MAILBOX_MISCONFIGURED, str(exc)
-        )
-    except gm.MailboxError as exc:
-        _warn_once(body, memo, Reason.MAILBOX_UNREACHABLE, str(exc))
-        return conditions_patch(
-            conditions, "MailboxReachable", False, Reason.MAILBOX_UNREACHABLE, str(exc)
-        )
-    memo.pop("warned", None)
-    patch.status.update(view_status(view))
-    conditions = conditions_patch(
-        conditions, "MailboxReachable", True, Reason.MAILBOX_REACHABLE, "listing works"
-    )
-    training = view.rounds_committed > 0
-    conditions = conditions_patch(
-        conditions,
-        "Progressing",
-        training,
-        Reason.TRAINING if training else Reason.WAITING_FOR_ROUNDS,
-        f"{view.rounds_committed} rounds committed, {view.live_learners} learners live",
-    )
-    warned: set[tuple[Reason, str]] = memo.setdefault("sync_warned", set())
-    for reason, message in sync_warnings(view, warned):
-        kopf.warn(body, reason=reason.value, message=message)
-    ok, reason, message = sync_condition(view)
-    return conditions_patch(conditions, "SyncPointsContributed", ok, reason, message)
+        await asyncio.wait(tasks, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
-def _warn_once(body: kopf.Body, memo: kopf.Memo, reason: Reason, message: str) -> None:
-    if memo.get("warned") != reason:
-        memo["warned"] = reason
-        kopf.warn(body, reason=reason.value, message=message)
+# -- deletion --------------------------------------------------------------------------------
 
 
 @kopf.on.delete(
@@ -268,25 +322,36 @@ async def cleanup(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
     """cleanupPolicy: Delete removes every object under the run's prefix (pods go by GC)."""
     status = body.get("status") or {}
     url = status.get("mailbox")
+    namespace, name = str(body.metadata.namespace), str(body.metadata.name)
+    RUNS.pop((namespace, name), None)
     if not url:
         return  # never reconciled: nothing was written
+    spec, error = _spec(body)
+    if spec is None:
+        logger.warning(f"cannot clean up {url}: {error}; the prefix is kept")
+        return
     try:
-        spec = _spec(body)
-        credentials = await _credentials(spec, str(body.metadata.namespace))
-    except (ValidationError, LookupError) as exc:
+        read = await _credentials(spec, namespace)()
+    except LookupError as exc:
         logger.warning(f"cannot clean up {url}: {exc}; the prefix is kept")
         return
     # Stop the nodes first: a node still running would write into the prefix after the wipe.
-    namespace, name = str(body.metadata.namespace), str(body.metadata.name)
-    for pod in await kube().pods(namespace, name):
+    label = render.run_label(name)
+    for pod in await kube().pods(namespace, label):
         await kube().delete_pod(namespace, pod.name)
     for _attempt in range(120):
-        if not await kube().pods(namespace, name):
+        if not await kube().pods(namespace, label):
             break
         await asyncio.sleep(0.5)
     else:
         raise kopf.TemporaryError("node pods are still terminating", delay=5)
-    box = gm.open_mailbox(url, **credentials)
+    box = gm.open_mailbox(url, **({} if read is None else read.values))
     keys = await box.list("")
     await box.delete(keys)
     logger.info(f"deleted {len(keys)} objects under {url}")
+
+
+@kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
+def forget(namespace: str | None, name: str, **_: Any) -> None:
+    """A deleted run's state goes (the daemons are stopped by kopf)."""
+    RUNS.pop((str(namespace), name), None)

@@ -22,11 +22,11 @@ def _now() -> str:
 
 
 def conditions_patch(
-    conditions: list[dict[str, Any]], kind: str, ok: bool, reason: Reason, message: str
+    conditions: list[dict[str, Any]], kind: str, ok: bool | None, reason: Reason, message: str
 ) -> list[dict[str, Any]]:
-    """``conditions`` with the one of type ``kind`` set; its transition time changes only
-    when its status does."""
-    status = "True" if ok else "False"
+    """``conditions`` with the one of type ``kind`` set (``ok`` None: Unknown); its
+    transition time changes only when its status does."""
+    status = "Unknown" if ok is None else "True" if ok else "False"
     result = []
     found = False
     for condition in conditions:

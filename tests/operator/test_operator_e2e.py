@@ -14,7 +14,7 @@ import pytest
 from tests.conftest import S3_TARGETS
 from tests.kube.fixtures import KubeCluster
 from tests.s3env import S3Target, ensure_bucket
-from tests.stub_s3 import closed_port
+from tests.stub_s3 import Reply, closed_port, stub_s3
 from tests.support.waiting import TEST_TIMEOUT, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,8 +22,13 @@ CRD = ROOT / "charts/gradientmail-operator/crds/gradientmailruns.yaml"
 HANDLERS = ROOT / "operator/gradientmail_operator/handlers.py"
 RUN_TIMEOUT = max(TEST_TIMEOUT, 30) * 8  # a whole training run on a loaded 2-core machine
 OPERATOR_ENV = {
-    "GRADIENTMAIL_OPERATOR_RECONCILE_INTERVAL": "1",
+    # The default safety interval (60 s): pods and runs are watched, so every change of
+    # theirs must wake the reconcile by itself.
     "GRADIENTMAIL_OPERATOR_STATUS_INTERVAL": "1",
+    "GRADIENTMAIL_OPERATOR_RESTART_BACKOFF": "1,4",
+    "GRADIENTMAIL_OPERATOR_POLL_BUDGET": "3",
+    # The stand-in's pods are processes of one machine: a file mailbox is shared by all.
+    "GRADIENTMAIL_OPERATOR_FILE_MAILBOXES": "shared",
 }
 
 
@@ -260,15 +265,18 @@ def test_missing_secret_and_unreachable_mailbox(operator: KubeCluster) -> None:
     )
     condition = wait_until(
         lambda: (
-            (c := _condition(cluster, "nosecret", "PodsReady"))
+            (c := _condition(cluster, "nosecret", "MailboxReachable"))
             and c["reason"] == "SecretMissing"
             and c
         ),
         "SecretMissing",
     )
     assert "default/absent" in condition["message"]
-    assert _events(cluster, "SecretMissing")
-    assert _pods(cluster, "nosecret") == []
+    assert len(_events(cluster, "SecretMissing")) == 1
+    # The pods exist and wait for their Secret (CreateContainerConfigError), as Kubernetes
+    # has them do; the run is Pending, never Failed or regressed for it.
+    wait_until(lambda: len(_pods(cluster, "nosecret")) == 3, "the pods, waiting")
+    assert _status(cluster, "nosecret")["phase"] == "Pending"
     endpoint = f"http://127.0.0.1:{closed_port()}"
     cluster.apply(
         {
@@ -326,3 +334,53 @@ def test_deletion_cascades_and_cleanup_deletes_the_prefix(
     wiped = asyncio.run(gm.open_mailbox(urls["wipe"]).list(""))
     assert "manifest.json" in kept, "cleanupPolicy Retain (the default) keeps the prefix"
     assert wiped == [], "cleanupPolicy Delete empties the run's prefix"
+
+
+def test_a_hanging_store_does_not_delay_pod_replacement(operator: KubeCluster) -> None:
+    """Status polls that never return (held to their budget, on threads of their own) leave
+    the pod reconcile free: a killed node is replaced while the store hangs."""
+    cluster = operator
+    cluster.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "hang-keys", "namespace": "default"},
+            "stringData": {"AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": "not-logged"},
+        }
+    )
+    with stub_s3(lambda request: Reply(hang=True)) as s3:
+        mailbox = {
+            "endpoint": s3.endpoint_url,
+            "bucket": "b",
+            "credentialsSecret": {"name": "hang-keys"},
+        }
+        cluster.apply(_run("hang", mailbox, nodes=2))
+        wait_until(
+            lambda: (
+                (c := _condition(cluster, "hang", "MailboxReachable"))
+                and c["reason"] == "PollTimedOut"
+            ),
+            "the status to say the poll overran its budget",
+            timeout=RUN_TIMEOUT,
+        )
+        before = wait_until(
+            lambda: (
+                len(p := _pods(cluster, "hang")) == 2
+                and all(x["status"].get("phase") == "Running" for x in p)
+                and {x["metadata"]["name"]: x["metadata"]["uid"] for x in p}
+            ),
+            "both nodes running",
+            timeout=RUN_TIMEOUT,
+        )
+        cluster.kill("hang-node-1")
+        wait_until(
+            lambda: any(
+                x["metadata"]["name"] == "hang-node-1"
+                and x["metadata"]["uid"] != before["hang-node-1"]
+                for x in _pods(cluster, "hang")
+            ),
+            "the killed node's replacement",
+            timeout=RUN_TIMEOUT,
+        )
+        assert _events(cluster, "PodReplaced")
+        assert "not-logged" not in json.dumps(_get(cluster, "hang"))
