@@ -4,6 +4,7 @@ node pods run by the local kubelet as real processes, training on a real S3 serv
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from pathlib import Path
@@ -11,6 +12,8 @@ from typing import Any
 
 import pytest
 
+import gradientmail as gm
+from gradientmail.inspect import RunWatcher
 from tests.conftest import S3_TARGETS
 from tests.kube.fixtures import KubeCluster
 from tests.s3env import S3Target, ensure_bucket
@@ -153,6 +156,15 @@ def test_a_run_trains_to_succeeded(operator: KubeCluster, tmp_path: Path) -> Non
     }
     assert len(rounds_seen) >= 2, f"the Round column never grew while running: {seen}"
     assert final["roundsCommitted"] >= 6
+    # The last word matches the mailbox: a final poll after the run ended.
+    final = wait_until(
+        lambda: (s := _status(cluster, "exp")).get("statusFinal") and s, "the final status"
+    )
+    fresh = asyncio.run(RunWatcher(gm.open_mailbox(final["mailbox"])).poll())
+    assert (final["roundsCommitted"], final["newestRound"]) == (
+        fresh.rounds_committed,
+        fresh.newest_round,
+    )
     # Sync points, from the learners' beats: every learner reached and contributed at them,
     # and none was skipped (the default policy waits rather than skip).
     assert final["syncPointsReached"] > 0, final
@@ -306,9 +318,6 @@ def test_missing_secret_and_unreachable_mailbox(operator: KubeCluster) -> None:
 def test_deletion_cascades_and_cleanup_deletes_the_prefix(
     operator: KubeCluster, tmp_path: Path
 ) -> None:
-    import asyncio
-
-    import gradientmail as gm
 
     cluster = operator
     base = (tmp_path / "box").as_uri()
@@ -384,3 +393,27 @@ def test_a_hanging_store_does_not_delay_pod_replacement(operator: KubeCluster) -
         )
         assert _events(cluster, "PodReplaced")
         assert "not-logged" not in json.dumps(_get(cluster, "hang"))
+
+
+def test_a_run_name_too_long_for_a_label_gets_its_pods(
+    operator: KubeCluster, tmp_path: Path
+) -> None:
+    from gradientmail_operator.render import run_label
+
+    cluster = operator
+    name = "a-run-whose-name-is-far-longer-than-the-sixty-three-characters-of-a-label"
+    assert len(name) > 63
+    cluster.apply(_run(name, {"url": (tmp_path / "box").as_uri()}, nodes=1))
+    pods = wait_until(
+        lambda: _pods(cluster, run_label(name)),
+        "the pod of the long-named run",
+        timeout=RUN_TIMEOUT,
+    )
+    assert pods[0]["metadata"]["annotations"]["gradientmail.dev/run-name"] == name
+    final = wait_until(
+        lambda: (s := _status(cluster, name)).get("phase") in ("Succeeded", "Failed") and s,
+        "the long-named run to finish",
+        timeout=RUN_TIMEOUT,
+        every=0.5,
+    )
+    assert final["phase"] == "Succeeded", final
