@@ -8,7 +8,8 @@ REGISTRY ?= ghcr.io/gradientmail
 TAG ?= $(shell sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\}/\1/p' charts/gradientmail-operator/Chart.yaml)
 OPERATOR_IMAGE ?= $(REGISTRY)/operator:$(TAG)
 NODE_IMAGE ?= $(REGISTRY)/node:$(TAG)
-DOCKER ?= docker
+# docker or podman, whichever is installed (`make images CONTAINER=podman` to choose).
+CONTAINER ?= $(shell command -v docker 2>/dev/null || command -v podman 2>/dev/null)
 KIND ?= kind
 KIND_CLUSTER ?= gradientmail
 NAMESPACE ?= gradientmail
@@ -45,9 +46,12 @@ lint-chart: install ## helm lint the chart with each documented values file
 	  $(HELM) lint --strict charts/gradientmail-operator -f $$f || exit 1; done
 
 .PHONY: images
-images: ## Build the operator and node images (needs docker; not possible on the dev machines)
-	$(DOCKER) build -f images/operator/Dockerfile -t $(OPERATOR_IMAGE) .
-	$(DOCKER) build -f images/node/Dockerfile -t $(NODE_IMAGE) .
+images: ## Build the operator and node images (docker or podman; not on the dev machines)
+	@if [[ -z "$(CONTAINER)" ]]; then \
+	  echo "make images: no container engine: install docker or podman, or set CONTAINER=..." >&2; \
+	  exit 1; fi
+	$(CONTAINER) build -f images/operator/Dockerfile -t $(OPERATOR_IMAGE) .
+	$(CONTAINER) build -f images/node/Dockerfile -t $(NODE_IMAGE) .
 
 .PHONY: kind-up
 kind-up: ## Create the kind cluster and the development MinIO

@@ -21,7 +21,10 @@ Settings come from the environment:
   rotation (60); a failed authentication re-reads it at once.
 - ``GRADIENTMAIL_OPERATOR_RESTART_BACKOFF``: ``base,cap`` seconds of the per-node restart
   backoff (``10,300``).
-- ``GRADIENTMAIL_OPERATOR_NODE_IMAGE``: image for runs that name none.
+- ``GRADIENTMAIL_OPERATOR_NODE_IMAGE``: image for runs that name none;
+  ``…_NODE_IMAGE_PULL_POLICY`` and ``…_NODE_IMAGE_PULL_SECRETS`` (comma-separated names)
+  likewise, for runs that set neither.
+- ``GRADIENTMAIL_OPERATOR_METRICS_PORT``: Prometheus metrics port (8081; 0 turns it off).
 - ``GRADIENTMAIL_OPERATOR_POD_LABELS``: extra pod labels, ``k=v,k2=v2``.
 - ``GRADIENTMAIL_OPERATOR_FILE_MAILBOXES``: ``shared`` accepts ``file://`` mailboxes without a
   claim behind them (a single-node cluster whose pods share one filesystem).
@@ -35,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -43,7 +47,7 @@ from pydantic import ValidationError
 
 import gradientmail as gm
 from gradientmail.launch.runspec import GROUP, PLURAL, VERSION, GradientMailRunSpec
-from gradientmail_operator import render
+from gradientmail_operator import metrics, render
 from gradientmail_operator.kube import Credentials, Kube
 from gradientmail_operator.observer import Observer
 from gradientmail_operator.reconcile import Phase, PodState, Reason, RestartBackoff
@@ -78,6 +82,12 @@ POLL_BUDGET = _seconds("GRADIENTMAIL_OPERATOR_POLL_BUDGET", 30.0)
 SECRET_CHECK = _seconds("GRADIENTMAIL_OPERATOR_SECRET_CHECK", 60.0)
 BACKOFF = _backoff_policy()
 NODE_IMAGE = os.environ.get("GRADIENTMAIL_OPERATOR_NODE_IMAGE", "")
+NODE_PULL_POLICY = os.environ.get("GRADIENTMAIL_OPERATOR_NODE_IMAGE_PULL_POLICY", "")
+NODE_PULL_SECRETS = [
+    name
+    for name in os.environ.get("GRADIENTMAIL_OPERATOR_NODE_IMAGE_PULL_SECRETS", "").split(",")
+    if name.strip()
+]
 POD_LABELS = dict(
     item.split("=", 1)
     for item in os.environ.get("GRADIENTMAIL_OPERATOR_POD_LABELS", "").split(",")
@@ -113,6 +123,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.server_timeout = 120
     settings.scanning.disabled = not CLUSTER_SCANNING
     kube()
+    metrics.serve(metrics.port_from_env())
 
 
 # -- the pods, watched and indexed by run -------------------------------------------------------
@@ -162,10 +173,15 @@ def run_changed(namespace: str | None, name: str, **_: Any) -> None:
 
 def _spec(body: kopf.Body) -> tuple[GradientMailRunSpec | None, str | None]:
     raw = dict(body.get("spec", {}))
+    defaults: dict[str, Any] = {}
     if NODE_IMAGE:
-        template = dict(raw.get("template") or {})
-        template.setdefault("image", NODE_IMAGE)
-        raw["template"] = template
+        defaults["image"] = NODE_IMAGE
+    if NODE_PULL_POLICY:
+        defaults["imagePullPolicy"] = NODE_PULL_POLICY
+    if NODE_PULL_SECRETS:
+        defaults["imagePullSecrets"] = [{"name": n.strip()} for n in NODE_PULL_SECRETS]
+    if defaults:  # the operator's defaults; a run's own settings win
+        raw["template"] = {**defaults, **dict(raw.get("template") or {})}
     try:
         spec = GradientMailRunSpec.model_validate(raw)
     except ValidationError as exc:
@@ -261,7 +277,12 @@ async def run_pods_loop(body: kopf.Body, stopped: kopf.DaemonStopped, **kwargs: 
             if changes:
                 await kube().patch_status(namespace, name, changes)
                 state.written.update(changes)
+            metrics.reconciled("ok")
+            metrics.observe_run(
+                namespace, name, {**dict(body.get("status") or {}), **state.written}
+            )
         except Exception as exc:  # an API error: logged, retried on the next pass
+            metrics.reconciled("error")
             _log.warning("run %s/%s: reconcile failed: %s", namespace, name, exc)
             await _pause(state, stopped, min(RECONCILE_INTERVAL, 5.0))
             continue
@@ -286,9 +307,13 @@ async def run_status_loop(body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any
         final = _terminal(status) or state.final_requested.is_set()
         url = status.get("mailbox")
         if spec is not None and url:
-            state.observation = await state.observer.observe(
+            started = time.monotonic()
+            state.observation = seen = await state.observer.observe(
                 spec, str(url), _credentials(spec, namespace)
             )
+            if seen.reachable is not None:
+                outcome = "ok" if seen.reachable[0] else seen.reachable[1].value
+                metrics.poll_done(namespace, name, outcome, time.monotonic() - started)
         if final:
             state.final_observed = True
             state.wake.set()
@@ -355,3 +380,4 @@ async def cleanup(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
 def forget(namespace: str | None, name: str, **_: Any) -> None:
     """A deleted run's state goes (the daemons are stopped by kopf)."""
     RUNS.pop((str(namespace), name), None)
+    metrics.forget_run(str(namespace), name)

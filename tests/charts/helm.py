@@ -132,6 +132,10 @@ CHOICES: dict[str, list[Any]] = {
     "operator.logLevel": ["info", "debug", "warning"],
     "operator.logFormat": ["full", "plain", "json"],
     "image.pullPolicy": ["Always", "IfNotPresent", "Never"],
+    "nodePods.image.pullPolicy": ["", "Always", "IfNotPresent", "Never"],
+    "metrics.enabled": [True, False],
+    "metrics.serviceMonitor.enabled": [True, False],
+    "metrics.dashboard.enabled": [True, False],
 }
 
 

@@ -67,6 +67,13 @@ def test_every_combination_renders_valid_kubernetes_documents(name: str) -> None
     assert ("ServiceAccount" in kinds) == sa
     minio = (values.get("minio") or {}).get("enabled", False)
     assert ("Job" in kinds) == minio
+    metrics = {"enabled": True, **(values.get("metrics") or {})}
+    services = [s["metadata"]["name"] for s in find(docs_, "Service")]
+    assert any(s.endswith("-metrics") for s in services) == metrics["enabled"]
+    monitor = (metrics.get("serviceMonitor") or {}).get("enabled", False)
+    assert ("ServiceMonitor" in kinds) == (metrics["enabled"] and monitor)
+    dashboard = (metrics.get("dashboard") or {}).get("enabled", False)
+    assert bool(find(docs_, "ConfigMap")) == dashboard
     for doc in docs_:
         if doc["kind"] not in ("CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding"):
             assert doc["metadata"].get("namespace"), f"{doc['kind']} without a namespace"
@@ -109,12 +116,18 @@ def test_the_operator_deployment() -> None:
     assert env["GRADIENTMAIL_OPERATOR_STATUS_INTERVAL"] == "10"
     assert env["GRADIENTMAIL_OPERATOR_RECONCILE_INTERVAL"] == "2"
     assert env["GRADIENTMAIL_OPERATOR_NODE_IMAGE"] == "ghcr.io/gradientmail/node:0.1.0"
+    assert env["GRADIENTMAIL_OPERATOR_METRICS_PORT"] == "8081"
     assert "GRADIENTMAIL_OPERATOR_POD_LABELS" not in env
+    assert "GRADIENTMAIL_OPERATOR_NODE_IMAGE_PULL_POLICY" not in env  # Kubernetes's default
+    assert "GRADIENTMAIL_OPERATOR_NODE_IMAGE_PULL_SECRETS" not in env
     assert "GRADIENTMAIL_OPERATOR_CLUSTER_SCANNING" not in env
     assert env["POD_ID"] == {"fieldRef": {"fieldPath": "metadata.name"}}
     for probe in ("livenessProbe", "readinessProbe"):
         assert container[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
-    assert container["ports"] == [{"name": "health", "containerPort": 8080, "protocol": "TCP"}]
+    assert container["ports"] == [
+        {"name": "health", "containerPort": 8080, "protocol": "TCP"},
+        {"name": "metrics", "containerPort": 8081, "protocol": "TCP"},
+    ]
     assert container["resources"]["requests"]
     assert container["resources"]["limits"]["memory"]
     # The restricted Pod Security Standard, and a read-only root.
@@ -150,6 +163,14 @@ def test_values_reach_the_operator() -> None:
         "cost-center.example.com/id=4711,team=ml-research"
     )
     assert env["AWS_DEFAULT_REGION"] == "eu-central-1"
+    # The node pods' pull settings, for the operator to put on the pods it creates.
+    assert env["GRADIENTMAIL_OPERATOR_NODE_IMAGE_PULL_POLICY"] == "Always"
+    assert env["GRADIENTMAIL_OPERATOR_NODE_IMAGE_PULL_SECRETS"] == "regcred,ml-registry"
+    assert env["GRADIENTMAIL_OPERATOR_METRICS_PORT"] == "9091"
+    assert {"name": "metrics", "containerPort": 9091, "protocol": "TCP"} in container["ports"]
+    service = find(docs_, "Service", "gm-operator-metrics")[0]
+    assert service["metadata"]["annotations"] == {"example.com/scrape-team": "ml-platform"}
+    assert service["spec"]["ports"][0]["port"] == 9091
     deployment = one(docs_, "Deployment")
     pod = deployment["spec"]["template"]
     assert deployment["metadata"]["name"] == "gm-operator"
@@ -191,7 +212,9 @@ def test_namespaced_mode_watches_only_the_named_namespaces() -> None:
 
 
 def test_the_dev_minio_is_off_by_default_and_self_consistent() -> None:
-    assert not find(helm.template(), "Service")
+    defaults = helm.template()
+    assert not find(defaults, "Service", "minio")
+    assert not find(defaults, "Deployment", "minio")
     docs_ = helm.template({"minio": {"enabled": True}})
     secret = find(docs_, "Secret", "minio-root")[0]
     service = find(docs_, "Service", "minio")[0]
@@ -233,6 +256,14 @@ def test_the_dev_minio_is_off_by_default_and_self_consistent() -> None:
         ({"minio": {"rootPassword": "short"}}, "/minio/rootPassword"),
         ({"minio": {"enabled": "yes"}}, "/minio/enabled"),
         ({"livenessProbe": {"periodSecond": 5}}, "periodSecond"),
+        ({"nodePods": {"image": {"pullPolicy": "Sometimes"}}}, "/nodePods/image/pullPolicy"),
+        ({"nodePods": {"imagePullSecrets": [{"secret": "x"}]}}, "/nodePods/imagePullSecrets/0"),
+        ({"nodePods": {"imagePullSecrets": "regcred"}}, "/nodePods/imagePullSecrets"),
+        ({"metrics": {"port": 80}}, "/metrics/port"),
+        ({"metrics": {"enabled": "yes"}}, "/metrics/enabled"),
+        ({"metrics": {"serviceMonitor": {"interval": "30 seconds"}}}, "interval"),
+        ({"metrics": {"serviceMonitor": {"intervall": "30s"}}}, "intervall"),
+        ({"metrics": {"dashboard": {"namespace": "Grafana"}}}, "/metrics/dashboard/namespace"),
     ],
 )
 def test_the_schema_refuses_bad_values(values: dict[str, Any], complaint: str) -> None:
@@ -275,7 +306,7 @@ def test_every_value_is_documented_and_the_readme_table_is_current() -> None:
 
 
 def test_notes_tell_the_next_command() -> None:
-    notes = (CHART / "templates" / "NOTES.txt").read_text()
+    notes = _notes({})
     assert "kubectl get gmr -w" in notes
     assert "rollout status" in notes
     assert "s3-credentials" in notes
@@ -320,3 +351,220 @@ def test_kopf_accepts_the_rendered_command_line(values: dict[str, Any], tmp_path
         check=False,
     )
     assert "No module named 'gradientmail_no_such_module'" in result.stderr, result.stderr
+
+
+# -- metrics, the ServiceMonitor and the dashboard ----------------------------------------------
+
+
+def _metrics_service(docs_: list[dict[str, Any]]) -> dict[str, Any]:
+    return find(docs_, "Service", f"{RELEASE}-metrics")[0]
+
+
+def test_the_metrics_service_targets_the_operators_metrics_port() -> None:
+    docs_ = helm.template()
+    service = _metrics_service(docs_)
+    assert service["metadata"]["namespace"] == NAMESPACE
+    assert service["metadata"]["labels"]["app.kubernetes.io/component"] == "metrics"
+    assert service["spec"]["type"] == "ClusterIP"
+    assert service["spec"]["ports"] == [
+        {"name": "metrics", "port": 8081, "targetPort": "metrics", "protocol": "TCP"}
+    ]
+    pod = one(docs_, "Deployment")["spec"]["template"]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    ports = {p["name"]: p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]}
+    assert ports == {"health": 8080, "metrics": 8081}
+    from gradientmail_operator import metrics
+
+    assert _env(_container(docs_))["GRADIENTMAIL_OPERATOR_METRICS_PORT"] == "8081"
+    assert metrics.ENV_PORT == "GRADIENTMAIL_OPERATOR_METRICS_PORT"
+    assert metrics.DEFAULT_PORT == 8081  # the chart's default and the operator's agree
+
+
+def test_metrics_disabled_means_no_port_no_service_and_the_operator_told() -> None:
+    docs_ = helm.template({"metrics": {"enabled": False, "serviceMonitor": {"enabled": True}}})
+    validate.validate_all(docs_)
+    assert not find(docs_, "Service")
+    assert not find(docs_, "ServiceMonitor")
+    container = _container(docs_)
+    assert [p["name"] for p in container["ports"]] == ["health"]
+    assert _env(container)["GRADIENTMAIL_OPERATOR_METRICS_PORT"] == "0"  # 0: off
+
+
+def test_the_metrics_port_must_differ_from_the_health_port() -> None:
+    result = helm.template_text({"metrics": {"port": 8080}}, check=False)
+    assert result.returncode != 0
+    assert "metrics.port and operator.healthPort are both 8080" in result.stderr
+    # Disabled, the clash does not matter.
+    helm.template({"metrics": {"enabled": False, "port": 8080}})
+
+
+def test_the_service_monitor_only_when_enabled() -> None:
+    assert not find(helm.template(), "ServiceMonitor")
+    values = {
+        "metrics": {
+            "serviceMonitor": {
+                "enabled": True,
+                "interval": "15s",
+                "scrapeTimeout": "10s",
+                "labels": {"release": "kube-prometheus-stack"},
+            }
+        }
+    }
+    docs_ = helm.template(values)
+    validate.validate_all(docs_)  # the ServiceMonitor against validate.SERVICE_MONITOR
+    monitor = one(docs_, "ServiceMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["namespace"] == NAMESPACE
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    service = _metrics_service(docs_)
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= service["metadata"]["labels"].items()
+    # It selects the metrics Service only, not the dev MinIO's or another component's.
+    assert selector["app.kubernetes.io/component"] == "metrics"
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    assert monitor["spec"]["endpoints"] == [
+        {
+            "port": service["spec"]["ports"][0]["name"],
+            "path": "/metrics",
+            "interval": "15s",
+            "scrapeTimeout": "10s",
+            "honorLabels": True,  # the runs' namespace label, not the operator's
+        }
+    ]
+    defaults = one(
+        helm.template({"metrics": {"serviceMonitor": {"enabled": True}}}), "ServiceMonitor"
+    )
+    assert defaults["spec"]["endpoints"][0]["interval"] == "30s"
+    assert "scrapeTimeout" not in defaults["spec"]["endpoints"][0]
+
+
+def test_the_validator_catches_a_service_monitor_typo() -> None:
+    docs_ = helm.template({"metrics": {"serviceMonitor": {"enabled": True}}})
+    monitor = one(docs_, "ServiceMonitor")
+    monitor["spec"]["endpoints"][0]["intervall"] = "30s"
+    with pytest.raises(AssertionError, match="intervall"):
+        validate.validate_all([monitor])
+
+
+def _dashboard_metric_names(dashboard: dict[str, Any]) -> set[str]:
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
+    exprs += [v["definition"] for v in dashboard["templating"]["list"] if "definition" in v]
+    names = set()
+    for expr in exprs:
+        names |= set(re.findall(r"\b(gradientmail_[a-z_]+)", expr))
+    return names
+
+
+def test_the_dashboard_config_map_holds_the_dashboard() -> None:
+    assert not find(helm.template(), "ConfigMap")
+    docs_ = helm.template({"metrics": {"dashboard": {"enabled": True, "namespace": "monitoring"}}})
+    validate.validate_all(docs_)
+    config_map = one(docs_, "ConfigMap")
+    assert config_map["metadata"]["namespace"] == "monitoring"
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(config_map["data"]["gradientmail.json"])
+    assert dashboard == json.loads((CHART / "dashboards" / "gradientmail.json").read_text())
+    assert dashboard["uid"] == "gradientmail-runs"
+    assert dashboard["panels"]
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    for panel in dashboard["panels"]:
+        grid = panel["gridPos"]
+        assert grid["x"] + grid["w"] <= 24, panel["title"]
+    # Every metric the dashboard queries is one the operator exports.
+    from gradientmail_operator import metrics
+
+    metrics.observe_run("dash", "board", {"phase": "Running", "lastCommitAgeSeconds": 1.0})
+    metrics.poll_done("dash", "board", "ok", 0.1)
+    metrics.reconciled()
+    try:
+        exported = set(re.findall(r"^# TYPE (\S+) (\w+)$", metrics.exposition().decode(), re.M))
+    finally:
+        metrics.forget_run("dash", "board")
+    names = {n for n, _ in exported}
+    names |= {f"{n}_total" for n, kind in exported if kind == "counter"}
+    names |= {f"{n}_{s}" for n, k in exported if k == "histogram" for s in ("bucket", "count")}
+    queried = _dashboard_metric_names(dashboard)
+    assert "gradientmail_run_rounds_committed" in queried
+    assert queried <= names, f"the dashboard queries unknown metrics: {sorted(queried - names)}"
+
+
+# -- images, tags and pull settings --------------------------------------------------------------
+
+
+def test_image_tags_default_to_the_app_version() -> None:
+    app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    container = _container(helm.template())
+    assert container["image"] == f"ghcr.io/gradientmail/operator:{app_version}"
+    assert _env(container)["GRADIENTMAIL_OPERATOR_NODE_IMAGE"] == (
+        f"ghcr.io/gradientmail/node:{app_version}"
+    )
+    # An explicit tag wins, for each image on its own.
+    container = _container(
+        helm.template({"image": {"tag": "1.2.3"}, "nodePods": {"image": {"tag": "4.5.6"}}})
+    )
+    assert container["image"] == "ghcr.io/gradientmail/operator:1.2.3"
+    assert _env(container)["GRADIENTMAIL_OPERATOR_NODE_IMAGE"] == "ghcr.io/gradientmail/node:4.5.6"
+
+
+@pytest.mark.parametrize("policy", ["Always", "IfNotPresent", "Never"])
+def test_the_node_pull_policy_and_secrets_reach_the_operator(policy: str) -> None:
+    values = {
+        "nodePods": {
+            "image": {"pullPolicy": policy},
+            "imagePullSecrets": [{"name": "regcred"}, {"name": "other"}, {"name": "regcred"}],
+        }
+    }
+    assert "0 chart(s) failed" in helm.lint(values)
+    docs_ = helm.template(values)
+    validate.validate_all(docs_)
+    env = _env(_container(docs_))
+    assert env["GRADIENTMAIL_OPERATOR_NODE_IMAGE_PULL_POLICY"] == policy
+    assert env["GRADIENTMAIL_OPERATOR_NODE_IMAGE_PULL_SECRETS"] == "regcred,other"
+    # The operator's own pod pulls with its own secrets, not the node pods'.
+    pod = one(docs_, "Deployment")["spec"]["template"]["spec"]
+    assert "imagePullSecrets" not in pod
+
+
+# -- NOTES.txt ----------------------------------------------------------------------------------
+
+
+def _notes(values: dict[str, Any]) -> str:
+    args, temp = helm.values_args(values)
+    try:
+        out = helm.helm(
+            "install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client", *args
+        ).stdout
+    finally:
+        if temp is not None:
+            temp.unlink()
+    return out.split("NOTES:", 1)[1]
+
+
+def _kubectl_lines(notes: str, *words: str) -> list[str]:
+    return [
+        line.strip()
+        for line in notes.splitlines()
+        if line.strip().startswith("kubectl") and all(w in line for w in words)
+    ]
+
+
+def test_notes_name_a_served_namespace_when_namespaced() -> None:
+    notes = _notes({"watchNamespaces": ["team-b", "team-a", "team-b"]})
+    assert "serving GradientMailRuns in: team-b, team-a." in notes
+    for words in (("create secret",), ("apply -f -",), ("get gmr -w",), ("describe gmr",)):
+        lines = _kubectl_lines(notes, *words)
+        assert lines, words
+        assert all(line.startswith("kubectl -n team-b ") for line in lines), lines
+    # Cluster-wide: any namespace will do, so no -n.
+    notes = _notes({})
+    assert _kubectl_lines(notes, "create secret") == [
+        "kubectl create secret generic s3-credentials \\"
+    ]
+    assert _kubectl_lines(notes, "get gmr -w") == ["kubectl get gmr -w"]
+
+
+def test_notes_show_the_metrics_endpoint() -> None:
+    notes = _notes({})
+    assert f"port-forward service/{RELEASE}-metrics 8081" in notes
+    assert "/metrics" not in _notes({"metrics": {"enabled": False}})

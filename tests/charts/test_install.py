@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 import requests
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.charts import helm
 from tests.charts.audit import AuditingApiServer
@@ -100,6 +101,23 @@ def _healthy(port: int) -> bool:
         return requests.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200
     except requests.RequestException:
         return False
+
+
+def _scrape(port: int) -> str | None:
+    try:
+        response = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=5)
+    except requests.RequestException:
+        return None
+    return response.text if response.status_code == 200 else None
+
+
+def _sample(text: str, name: str, **labels: str) -> float | None:
+    """The value of the sample ``name`` with exactly ``labels`` in a scrape, or None."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return float(sample.value)
+    return None
 
 
 def _target() -> S3Target | None:
@@ -185,10 +203,13 @@ def _check_audit(cluster: KubeCluster, watch: list[str]) -> set[Request]:
 def test_the_chart_installs_and_the_example_run_succeeds(
     cluster: KubeCluster, tmp_path: Path
 ) -> None:
-    port = _free_port()
+    port, metrics_port = _free_port(), _free_port()
     notes = _install(
         cluster,
-        {"operator": {"healthPort": port, "statusInterval": 1, "reconcileInterval": 1}},
+        {
+            "operator": {"healthPort": port, "statusInterval": 1, "reconcileInterval": 1},
+            "metrics": {"port": metrics_port},
+        },
     )
     assert "STATUS: deployed" in notes
     assert "kubectl get gmr -w" in notes
@@ -213,6 +234,27 @@ def test_the_chart_installs_and_the_example_run_succeeds(
     print("\n".join(seen))
     assert final["roundsCommitted"] >= 1
     assert final["nodes"]["succeeded"] == 2
+    # The operator's metrics endpoint, on the port the chart gave it, shows the run.
+    labels = {"namespace": "default", "run": name}
+
+    def scraped() -> str | None:
+        text = _scrape(metrics_port)
+        if (
+            text is None
+            or _sample(text, "gradientmail_run_phase", **labels, phase="Succeeded") != 1
+        ):
+            return None
+        return text
+
+    text = wait_until(
+        scraped,
+        f"the operator's metrics on :{metrics_port} to show the run Succeeded (handlers.py "
+        "serves them: metrics.serve(metrics.port_from_env()), metrics.observe_run(...))",
+        timeout=60,
+        every=0.5,
+    )
+    assert (_sample(text, "gradientmail_run_rounds_committed", **labels) or 0) >= 1
+    assert "gradientmail_operator_mailbox_polls_total" in text
     pods = _pods(cluster, "default", name)
     assert {p["spec"]["containers"][0]["image"] for p in pods} == {
         "ghcr.io/gradientmail/node:0.1.0"  # the chart's nodePods.image, via the operator
@@ -238,6 +280,7 @@ def test_a_namespaced_install_serves_only_its_namespaces(
         {
             "watchNamespaces": ["team-a"],
             "operator": {"healthPort": port, "statusInterval": 1, "reconcileInterval": 1},
+            "metrics": {"port": _free_port()},
         },
     )
     _start_operator(cluster)

@@ -4,6 +4,7 @@ the GitHub workflows: everything the kind + MinIO end-to-end workflow uses, chec
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -184,3 +185,131 @@ def test_e2e_workflow_uses_what_exists_here() -> None:
         (manifests.MANIFESTS / "examples" / "gradientmailrun.yaml").read_text()
     )
     assert f"get gmr {example['metadata']['name']}" in run
+
+
+# -- make images: docker or podman ---------------------------------------------------------------
+
+
+def _make_images(path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``make images`` with only ``path`` on PATH (plus make itself, by its full path)."""
+    make = shutil.which("make")
+    if make is None:
+        pytest.skip("make is not installed")
+    return subprocess.run(
+        [make, "--no-print-directory", "images", "TAG=t", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={"PATH": str(path), "HOME": str(path)},
+        timeout=60,
+        check=False,
+    )
+
+
+def _fake_engine(directory: Path, name: str) -> None:
+    """A ``name`` that prints its arguments, as an installed container engine."""
+    script = directory / name
+    script.write_text(f'#!/bin/sh\necho "{name} $*"\n')
+    script.chmod(0o755)
+
+
+def test_make_images_says_so_when_no_container_engine_is_installed(tmp_path: Path) -> None:
+    result = _make_images(tmp_path)
+    assert result.returncode != 0
+    assert "no container engine: install docker or podman" in result.stderr
+    assert "build" not in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("installed", "used"), [(["podman"], "podman"), (["docker", "podman"], "docker")]
+)
+def test_make_images_uses_docker_or_podman(tmp_path: Path, installed: list[str], used: str) -> None:
+    for name in installed:
+        _fake_engine(tmp_path, name)
+    result = _make_images(tmp_path)
+    assert result.returncode == 0, result.stderr
+    builds = [line for line in result.stdout.splitlines() if line.startswith(f"{used} build")]
+    assert builds == [
+        f"{used} build -f images/operator/Dockerfile -t ghcr.io/gradientmail/operator:t .",
+        f"{used} build -f images/node/Dockerfile -t ghcr.io/gradientmail/node:t .",
+    ]
+
+
+# -- the release workflow ------------------------------------------------------------------------
+
+
+def _release() -> dict[str, Any]:
+    return _workflow("release.yml")
+
+
+def _version_step() -> dict[str, Any]:
+    steps = _release()["jobs"]["version"]["steps"]
+    return next(s for s in steps if s.get("id") == "version")
+
+
+def test_the_release_workflow_pushes_both_images_multi_arch_on_a_tag() -> None:
+    workflow = _release()
+    on = workflow.get("on", workflow.get(True))  # PyYAML reads the key `on` as True
+    assert on == {"push": {"tags": ["v*"]}}
+    assert workflow["permissions"] == {"contents": "read"}
+    # The registry the README and the chart name.
+    registry = workflow["env"]["REGISTRY"]
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["image"]["repository"] == f"{registry}/operator"
+    assert values["nodePods"]["image"]["repository"] == f"{registry}/node"
+    assert f"`{registry}/operator`" in (ROOT / "README.md").read_text()
+    job = workflow["jobs"]["images"]
+    assert job["needs"] == "version"
+    assert job["permissions"] == {"contents": "read", "packages": "write"}
+    images = job["strategy"]["matrix"]["image"]
+    assert sorted(images) == ["node", "operator"]
+    steps = job["steps"]
+    build = next(s for s in steps if str(s.get("uses", "")).startswith("docker/build-push"))
+    options = build["with"]
+    for image in images:
+        file = options["file"].replace("${{ matrix.image }}", image)
+        assert (ROOT / file).exists(), file
+    assert options["context"] == "."
+    assert set(options["platforms"].split(",")) == {"linux/amd64", "linux/arm64"}
+    assert options["push"] is True
+    uses = [str(s.get("uses", "")) for s in steps]
+    assert any(u.startswith("docker/setup-buildx-action@") for u in uses)
+    assert any(u.startswith("docker/setup-qemu-action@") for u in uses)
+    assert any(u.startswith("docker/login-action@") for u in uses)
+    tags = next(s for s in steps if s.get("id") == "tags")
+    assert "$IMAGE:$VERSION" in tags["run"]
+    assert "$IMAGE:latest" in tags["run"]
+    assert options["tags"] == "${{ steps.tags.outputs.tags }}"
+
+
+def _run_version_check(tag: str, tmp_path: Path) -> tuple[int, str, dict[str, str]]:
+    output = tmp_path / "github-output"
+    output.write_text("")
+    result = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", _version_step()["run"]],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={
+            "PATH": "/usr/bin:/bin",
+            "GITHUB_REF_NAME": tag,
+            "GITHUB_OUTPUT": str(output),
+            "CHART": _release()["env"]["CHART"],
+        },
+        timeout=30,
+        check=False,
+    )
+    pairs = dict(line.split("=", 1) for line in output.read_text().splitlines() if "=" in line)
+    return result.returncode, result.stdout + result.stderr, pairs
+
+
+def test_the_release_tag_must_be_the_charts_app_version(tmp_path: Path) -> None:
+    app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    rc, out, outputs = _run_version_check(f"v{app_version}", tmp_path)
+    assert rc == 0, out
+    assert outputs == {"version": app_version, "latest": "true"}
+    for wrong in ("v9.9.9", app_version, f"v{app_version}.1", f"v{app_version}-rc.1"):
+        rc, out, outputs = _run_version_check(wrong, tmp_path)
+        assert rc != 0, wrong
+        assert f"does not match {_release()['env']['CHART']} appVersion {app_version}" in out
+        assert outputs == {}

@@ -30,6 +30,7 @@ OPERATOR_ENV = {
     "GRADIENTMAIL_OPERATOR_STATUS_INTERVAL": "1",
     "GRADIENTMAIL_OPERATOR_RESTART_BACKOFF": "1,4",
     "GRADIENTMAIL_OPERATOR_POLL_BUDGET": "3",
+    "GRADIENTMAIL_OPERATOR_METRICS_PORT": "0",
     # The stand-in's pods are processes of one machine: a file mailbox is shared by all.
     "GRADIENTMAIL_OPERATOR_FILE_MAILBOXES": "shared",
 }

@@ -54,6 +54,35 @@ app.kubernetes.io/part-of: gradientmail
 {{- printf "%s:%s" .Values.nodePods.image.repository (default .Chart.AppVersion .Values.nodePods.image.tag) }}
 {{- end }}
 
+{{/* `regcred,other`: GRADIENTMAIL_OPERATOR_NODE_IMAGE_PULL_SECRETS. */}}
+{{- define "gradientmail-operator.nodePullSecrets" -}}
+{{- $names := list }}
+{{- range .Values.nodePods.imagePullSecrets }}
+{{- $names = append $names .name }}
+{{- end }}
+{{- $names | uniq | join "," }}
+{{- end }}
+
+{{/* The metrics port, checked against the health port (both are the operator's). */}}
+{{- define "gradientmail-operator.metricsPort" -}}
+{{- if eq (int .Values.metrics.port) (int .Values.operator.healthPort) }}
+{{- fail (printf "metrics.port and operator.healthPort are both %v: give them different ports" .Values.metrics.port) }}
+{{- end }}
+{{- .Values.metrics.port }}
+{{- end }}
+
+{{- define "gradientmail-operator.metricsLabels" -}}
+{{ include "gradientmail-operator.labels" . }}
+app.kubernetes.io/component: metrics
+{{- end }}
+
+{{/* A namespace where runs are served: the first watched one, or "" (any: no -n flag). */}}
+{{- define "gradientmail-operator.runNamespace" -}}
+{{- if .Values.watchNamespaces }}
+{{- first (.Values.watchNamespaces | uniq) }}
+{{- end }}
+{{- end }}
+
 {{/* The watched namespaces, deduplicated, in the given order. */}}
 {{- define "gradientmail-operator.watchNamespaces" -}}
 {{- .Values.watchNamespaces | uniq | toJson }}
@@ -102,7 +131,7 @@ against both lists and against every request the running operator makes.
   verbs: [patch]
 - apiGroups: [""]
   resources: [pods]
-  verbs: [list, create, delete]
+  verbs: [list, watch, create, delete]
 - apiGroups: [""]
   resources: [secrets]
   verbs: [get]
