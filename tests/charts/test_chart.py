@@ -114,7 +114,9 @@ def test_the_operator_deployment() -> None:
     ]
     env = _env(container)
     assert env["GRADIENTMAIL_OPERATOR_STATUS_INTERVAL"] == "10"
-    assert env["GRADIENTMAIL_OPERATOR_RECONCILE_INTERVAL"] == "2"
+    assert env["GRADIENTMAIL_OPERATOR_RECONCILE_INTERVAL"] == "60"
+    assert env["GRADIENTMAIL_OPERATOR_POLL_BUDGET"] == "30"
+    assert env["GRADIENTMAIL_OPERATOR_RESTART_BACKOFF"] == "10,300"
     assert env["GRADIENTMAIL_OPERATOR_NODE_IMAGE"] == "ghcr.io/gradientmail/node:0.1.0"
     assert env["GRADIENTMAIL_OPERATOR_METRICS_PORT"] == "8081"
     assert "GRADIENTMAIL_OPERATOR_POD_LABELS" not in env
