@@ -40,6 +40,7 @@ BENCHMARKS: dict[str, str] = {
     "quality": "bench.quality",
     "utilization": "bench.utilization",
     "memory": "bench.memory",
+    "operator": "bench.operator_load",
 }
 DEFAULT = [
     "payload",
@@ -136,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "names",
         nargs="*",
-        help=f"benchmarks to run (default: {' '.join(DEFAULT)}; also: mailbox)",
+        help=f"benchmarks to run (default: {' '.join(DEFAULT)}; also: mailbox, operator)",
     )
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="small sizes: under 3 minutes")
