@@ -8,8 +8,11 @@ steps and samples, and its sync-point counters (reached, contributed, skipped, s
 waited) with the share of the observer's recent time it spent waiting; rounds that have
 snapshots but no commit yet; the age of the newest commit and the sample throughput. Ages
 and rates use the observer's own monotonic clock: no server timestamp is read, as
-everywhere in the protocol. :attr:`LearnerView.skipping` and :attr:`LearnerView.stalling`
-are the flags the table, ``status --json`` and the operator all show.
+everywhere in the protocol. So an age is known only for what the watcher saw appear: a
+beat or commit already there at its first poll (a finished run looked at later) is at
+least that old (:attr:`LearnerView.beat_age_known`, :attr:`RunView.commit_age_known`).
+:attr:`LearnerView.skipping` and :attr:`LearnerView.stalling` are the flags the table,
+``status --json`` and the operator all show.
 
 It only reads: ``get`` and ``list``, never ``put_if_absent`` or ``delete``.
 :class:`RunWatcher` keeps a per-fragment cursor over ``rounds/`` and a beat
@@ -105,6 +108,10 @@ class LearnerView:
     # Share of the observer's time step() waited, over the watcher's window (None until two
     # beats with counters were seen a second or more apart, and for a learner not live).
     waiting_fraction: float | None = None
+    # Whether this watcher saw the newest beat key appear, so that seconds_since_beat is
+    # its age. False for a beat already there when the watcher first listed the learner
+    # (a finished run watched later): its age is then seconds_since_beat or more.
+    beat_age_known: bool = False
 
     @property
     def skipping(self) -> bool:
@@ -154,6 +161,10 @@ class RunView:
     open_rounds: Mapping[int, tuple[str, ...]]  # snapshotted, uncommitted rounds -> learners
     seconds_since_commit: float | None  # observer's clock since the newest commit was seen
     samples_per_second: float | None  # between the last two polls that changed the samples
+    # Whether this watcher saw the newest commit appear (after its first poll), so that
+    # seconds_since_commit is its age; False when the commit was there at the first poll:
+    # its age is then seconds_since_commit or more (0.0 on a first poll).
+    commit_age_known: bool = False
 
     @property
     def sync(self) -> SyncTotals:
@@ -201,6 +212,9 @@ class RunWatcher:
         self._reported_samples = 0
         self._changes: list[tuple[float, int]] = []  # last two (clock, samples) changes
         self._polling = False
+        self._polls = 0  # polls started before the current one
+        self._commit_seen_poll: int | None = None  # the poll that saw the newest commit
+        self._first_beats: dict[str, int | None] = {}  # learner -> its beat at the first poll
 
     async def poll(self) -> RunView:
         """Read what is new in the mailbox and return the whole view."""
@@ -212,10 +226,15 @@ class RunWatcher:
             if self._manifest is not None:
                 await self._read_rounds(self._manifest.num_fragments)
             self._leases.observe(await self._mailbox.list(LEASES))
+            for learner, lease in self._leases.known().items():
+                # A learner listed at the first poll: its beat's age is unknown until the
+                # beat changes. One that appears later was seen arriving (None).
+                self._first_beats.setdefault(learner, lease.beat if self._polls == 0 else None)
             await self._read_beats()
             snapshots = await self._mailbox.list(SNAPSHOTS)
             return self._view(snapshots, self._clock())
         finally:
+            self._polls += 1
             self._polling = False
 
     async def _read_all(self, keys: Sequence[str]) -> list[bytes | None]:
@@ -291,6 +310,7 @@ class RunWatcher:
         self._per_fragment[commit.fragment] = r
         if self._newest is None or r > self._newest:
             self._newest, self._commit_seen_at = r, seen
+            self._commit_seen_poll = self._polls
         if r >= fragments and (self._last_training is None or r > self._last_training.round):
             self._last_training = commit  # commits may land out of order
 
@@ -361,6 +381,7 @@ class RunWatcher:
                     waited_s=None if beat is None else beat.waited_s,
                     skipped=None if beat is None else beat.skipped,
                     waiting_fraction=self._waiting_fraction(learner) if is_live else None,
+                    beat_age_known=self._first_beats.get(learner) != lease.beat,
                 )
             )
         manifest, last = self._manifest, self._last_training
@@ -392,6 +413,7 @@ class RunWatcher:
                 None if self._commit_seen_at is None else max(0.0, now - self._commit_seen_at)
             ),
             samples_per_second=rate,
+            commit_age_known=bool(self._commit_seen_poll),
         )
 
 

@@ -12,19 +12,33 @@ Subcommands, one file each:
 - ``demo`` (``demo.py``): the bare mailbox coordination, without training.
 
 ``_common.py`` opens URLs with clear errors (bad URL, unreachable store, empty or foreign
-prefix). Exit status: 0 ok, 1 failed, 2 bad usage (URL, flag, spec file), 130 on Ctrl-C.
+prefix) and bounded waits (``--store-timeout``). Exit status: 0 ok, 1 failed, 2 bad usage
+(URL, flag, spec file), 130 on Ctrl-C.
+
+Every failure is one line on stderr, ``gradientmail COMMAND: what went wrong``; with
+``--debug`` (or ``GRADIENTMAIL_DEBUG=1``) the traceback is printed too. URLs are shown with
+their query decoded (``endpoint=http://host:9000``).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 
 from rich.console import Console
 
 from gradientmail.cli import demo, housekeeping, run, table, tools
-from gradientmail.cli._common import CliError
+from gradientmail.cli._common import (
+    DEFAULT_STORE_TIMEOUT,
+    STORE_TIMEOUT_ENV,
+    CliError,
+    readable_url,
+    set_store_timeout,
+    store_timeout,
+)
 from gradientmail.errors import MailboxError
 
 __all__ = ["main"]
@@ -58,7 +72,37 @@ def _parser() -> argparse.ArgumentParser:
     tools.add_parsers(sub)
     housekeeping.add_parsers(sub)
     demo.add_parser(sub)
+    for command in sub.choices.values():
+        _add_common_options(command)
     return parser
+
+
+def _add_common_options(parser: argparse.ArgumentParser) -> None:
+    """``--store-timeout`` and ``--debug`` on every subcommand (unless it has its own)."""
+    taken = parser._option_string_actions
+    if "--store-timeout" not in taken:
+        parser.add_argument(
+            "--store-timeout",
+            type=float,
+            metavar="SECONDS",
+            help=f"seconds an S3 request of this command may take to connect, and to answer "
+            f"({DEFAULT_STORE_TIMEOUT:g}, or ${STORE_TIMEOUT_ENV}); each is tried twice, so a "
+            "store that hangs fails within about twice this",
+        )
+    if "--debug" not in taken:
+        parser.add_argument(
+            "--debug",
+            action="store_true",
+            help="print the traceback of a failure too (or set GRADIENTMAIL_DEBUG=1)",
+        )
+
+
+def _readable_urls(args: argparse.Namespace) -> None:
+    """Every URL argument as people read it (the same mailbox; see readable_url)."""
+    for name in ("url", "mailbox"):
+        value = getattr(args, name, None)
+        if isinstance(value, str):
+            setattr(args, name, readable_url(value))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -72,15 +116,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command and args.subcommand != "run":
         parser.error(f"only `gradientmail run` takes a command after --, not {args.subcommand}")
     args.command = command
+    debug = bool(getattr(args, "debug", False)) or os.environ.get("GRADIENTMAIL_DEBUG", "") in (
+        "1",
+        "true",
+        "yes",
+    )
     errors = Console(stderr=True, highlight=False, soft_wrap=True)
+    name = f"gradientmail {args.subcommand}"
+
+    def fail(message: str, status: int) -> int:
+        if debug:
+            traceback.print_exc()
+        errors.print(f"{name}: {' '.join(message.split())}", markup=False)
+        return status
+
     try:
+        set_store_timeout(getattr(args, "store_timeout", None))
+        store_timeout()  # a bad $GRADIENTMAIL_STORE_TIMEOUT is bad usage, whatever the store
+        _readable_urls(args)
         return _HANDLERS[args.subcommand](args)
     except CliError as exc:
-        errors.print(f"gradientmail {args.subcommand}: {exc}", markup=False)
-        return exc.status
+        return fail(str(exc), exc.status)
     except (MailboxError, TimeoutError) as exc:
-        errors.print(f"gradientmail {args.subcommand}: {exc}", markup=False)
-        return 1
+        return fail(str(exc) or type(exc).__name__, 1)
+    except OSError as exc:  # a file the user named: unwritable, missing, a full disk
+        if exc.strerror:
+            return fail(f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror, 1)
+        return fail(str(exc) or type(exc).__name__, 1)
     except KeyboardInterrupt:
         errors.print("interrupted", markup=False)
         return 130
+    except Exception as exc:  # a bug: still one line, the traceback on request
+        if debug:
+            raise
+        hint = "(--debug shows the traceback; please report it)"
+        return fail(f"unexpected {type(exc).__name__}: {exc} {hint}", 1)

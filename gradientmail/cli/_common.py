@@ -1,15 +1,18 @@
-"""What every subcommand shares: opening a URL with clear errors, confirmations, output."""
+"""What every subcommand shares: opening a URL with clear errors and bounded waits, URLs
+as people read them, confirmations, output, and node tracebacks folded into one line."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import re
 import sys
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qsl, quote, unquote, urlsplit, urlunsplit
 
 from rich.console import Console
 from rich.progress import (
@@ -28,10 +31,16 @@ from gradientmail.mailbox.url import open_mailbox
 
 T = TypeVar("T")
 
-# Bounds for the CLI's own S3 requests, so an unreachable endpoint fails in seconds rather
-# than minutes; options in the URL itself win.
-S3_OPTIONS = {"connect_timeout": 3.0, "read_timeout": 30.0, "max_attempts": 2}
 USAGE = 2  # exit status for a bad URL, flag or spec file (as argparse uses)
+
+# The CLI's own S3 requests: each may take this long to connect and this long to answer
+# (between bytes), and is tried twice, so a store that hangs fails within about twice this
+# rather than minutes. ``--store-timeout`` (every subcommand) or the environment variable
+# set it; connect_timeout, read_timeout and max_attempts in the URL itself win.
+DEFAULT_STORE_TIMEOUT = 10.0
+STORE_TIMEOUT_ENV = "GRADIENTMAIL_STORE_TIMEOUT"
+STORE_ATTEMPTS = 2
+_store_timeout: float | None = None  # from --store-timeout; None: the environment's or default
 
 
 class CliError(Exception):
@@ -50,6 +59,12 @@ def out() -> Console:
     return console
 
 
+def plain(text: str) -> str:
+    """Docstring text for ``--help``: reST literals (double backticks) unwrapped and the
+    lines joined (argparse wraps them again)."""
+    return " ".join(re.sub(r"``(.+?)``", r"\1", text).split())
+
+
 def err() -> Console:
     return Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -59,6 +74,77 @@ def run_async(call: Callable[[], Awaitable[T]]) -> T:
         return await call()
 
     return asyncio.run(main())
+
+
+def set_store_timeout(seconds: float | None) -> None:
+    """``--store-timeout``, for every mailbox this process opens from now (None: unset)."""
+    global _store_timeout
+    if seconds is not None and not 0 < seconds < float("inf"):
+        raise CliError(
+            f"--store-timeout must be a positive number of seconds, not {seconds}", USAGE
+        )
+    _store_timeout = seconds
+
+
+def store_timeout() -> float:
+    """Seconds an S3 request may take to connect, and to answer: ``--store-timeout``, else
+    ``$GRADIENTMAIL_STORE_TIMEOUT``, else :data:`DEFAULT_STORE_TIMEOUT`."""
+    if _store_timeout is not None:
+        return _store_timeout
+    text = os.environ.get(STORE_TIMEOUT_ENV, "").strip()
+    if not text:
+        return DEFAULT_STORE_TIMEOUT
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):
+        raise CliError(f"{STORE_TIMEOUT_ENV}={text!r} is not a positive number of seconds", USAGE)
+    return seconds
+
+
+def s3_options() -> dict[str, float | int]:
+    """The bounds the CLI opens S3 mailboxes with (see :data:`DEFAULT_STORE_TIMEOUT`)."""
+    seconds = store_timeout()
+    return {"connect_timeout": seconds, "read_timeout": seconds, "max_attempts": STORE_ATTEMPTS}
+
+
+# Left as they are in a query value: a URL stays a URL that open_mailbox reads the same.
+_QUERY_SAFE = ":/@!$'()*,;"
+
+
+def readable_url(url: str) -> str:
+    """``url`` with its query decoded where that changes nothing it means:
+    ``?endpoint=http%3A%2F%2Fhost%3A9000`` becomes ``?endpoint=http://host:9000``
+    (``&``, ``=``, ``+``, ``#`` and ``%`` stay escaped). Anything unparsable is returned
+    as it is."""
+    try:
+        parts = urlsplit(url)
+        if not parts.query or "://" not in url:
+            return url
+        pairs = parse_qsl(parts.query, keep_blank_values=True)
+        query = "&".join(
+            f"{quote(name, safe=_QUERY_SAFE)}={quote(value, safe=_QUERY_SAFE)}"
+            for name, value in pairs
+        )
+        return urlunsplit(parts._replace(query=query))
+    except ValueError:
+        return url
+
+
+# What botocore accepts as a bucket name (S3-compatible stores may take more than AWS).
+_BUCKET = re.compile(r"[A-Za-z0-9._-]{1,255}")
+
+
+def _check_bucket(url: str) -> None:
+    """A bucket name botocore would refuse, in words (botocore's own message is a regex)."""
+    bucket = unquote(urlsplit(url).netloc)
+    if bucket and not _BUCKET.fullmatch(bucket):
+        raise CliError(
+            f"{url}: {bucket!r} is not a bucket name: use letters, digits, '.', '-' and '_' "
+            "(AWS S3 itself takes 3 to 63 lowercase letters, digits, '.' and '-')",
+            USAGE,
+        )
 
 
 def mailbox_for(url: str, *, create: bool = False) -> Mailbox:
@@ -78,6 +164,8 @@ def mailbox_for(url: str, *, create: bool = False) -> Mailbox:
         raise CliError(
             f"{url}: a memory:// mailbox lives inside one process; use file:// or s3://", USAGE
         )
+    if scheme == "s3":
+        _check_bucket(url)
     if scheme == "file" and not create:
         parts = urlsplit(url)
         path = Path(unquote(parts.path))
@@ -91,7 +179,7 @@ def mailbox_for(url: str, *, create: bool = False) -> Mailbox:
                     f"{url}: {path} is not a GradientMail mailbox directory (no objects/ in it)"
                 )
     try:
-        return open_mailbox(url, **S3_OPTIONS) if scheme == "s3" else open_mailbox(url)
+        return open_mailbox(url, **s3_options()) if scheme == "s3" else open_mailbox(url)
     except ValueError as exc:
         raise CliError(str(exc), USAGE) from None
     except MailboxError as exc:
@@ -192,3 +280,57 @@ def progress(what: str, total: int, enabled: bool = True) -> Iterator[Callable[[
 def batches(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
     for start in range(0, len(items), size):
         yield items[start : start + size]
+
+
+# -- a node's traceback, folded --------------------------------------------------------------
+
+_CHAINED = (
+    "The above exception was the direct cause of the following exception:",
+    "During handling of the above exception, another exception occurred:",
+)
+
+
+class TracebackFolder:
+    """Folds each Python traceback in a stream of output lines into its last line.
+
+    ``feed(line)`` returns the lines to show now: every ordinary line as it is; a traceback
+    (``Traceback (most recent call last):``, its indented frames, chained ones after it)
+    as one line, ``{prefix}{ExceptionType: message}{suffix}``, once its final exception
+    line is known. ``flush()`` returns what is still held (at the end of the stream). The
+    whole traceback stays wherever the raw output goes (a node's log file).
+    """
+
+    def __init__(self, prefix: str = "", suffix: str = "") -> None:
+        self.prefix = prefix
+        self.suffix = suffix
+        self._inside = False  # between "Traceback ..." and its exception line
+        self._pending: str | None = None  # an exception line a chained traceback may follow
+
+    def feed(self, line: str) -> list[str]:
+        if self._inside:
+            if not line.strip() or line[:1].isspace():
+                return []  # a frame, its source line, carets, a blank line
+            self._inside = False
+            self._pending = line
+            return []
+        if self._pending is not None:
+            if not line.strip() or line.strip() in _CHAINED:
+                return []
+            if line.startswith("Traceback (most recent call last):"):
+                self._pending = None  # the chained traceback's own line comes last
+                self._inside = True
+                return []
+            return [*self.flush(), *self.feed(line)]
+        if line.startswith("Traceback (most recent call last):"):
+            self._inside = True
+            return []
+        return [line]
+
+    def flush(self) -> list[str]:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            if self._inside:  # cut off before its exception line
+                self._inside = False
+                return [f"{self.prefix}a traceback without its last line{self.suffix}"]
+            return []
+        return [f"{self.prefix}{pending}{self.suffix}"]

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gradientmail.cli._common import plain
 from gradientmail.mailbox import Mailbox
 from gradientmail.mailbox.url import open_mailbox
 
@@ -130,7 +131,7 @@ def add_parser(sub: Any) -> None:
     demo = sub.add_parser(
         "demo",
         help="coordinate a few local processes through a mailbox (no training)",
-        description=__doc__.split("\n\n")[1].replace("\n", " "),
+        description=plain(__doc__.split("\n\n")[1]),
     )
     demo.add_argument("--nodes", type=int, default=3, help="node processes to start (3)")
     demo.add_argument("--units", type=int, default=12, help="work units to split (12)")

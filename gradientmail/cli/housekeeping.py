@@ -31,6 +31,7 @@ from gradientmail.cli._common import (
     err,
     mailbox_for,
     out,
+    plain,
     progress,
     require_manifest,
     run_async,
@@ -52,7 +53,7 @@ def add_parsers(sub: Any) -> None:
     sweep = sub.add_parser(
         "sweep",
         help="delete old snapshots, claims, payloads and beats of a run (asks first)",
-        description=__doc__.split("\n\n")[1].replace("\n", " "),
+        description=plain(__doc__.split("\n\n")[1]),
     )
     sweep.add_argument("url", help="the run's mailbox URL")
     sweep.add_argument(

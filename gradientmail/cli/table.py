@@ -7,6 +7,12 @@ Per learner it shows the sync points reached (``syncs``), the contributions made
 at them (``waited``, with the recent share of time under ``--watch``; yellow when it is
 :data:`~gradientmail.inspect.STALLING_FRACTION` or more); a line under the run's numbers
 names the learners that skip or stall.
+
+The table is rendered from the dict ``status --json`` prints (:func:`view_json`), so the
+two agree field by field. An age needs the watcher to see a change: one poll shows none
+(``—``, null), and one marked ``≥`` (``*_at_least`` in JSON) is a lower bound, for a beat
+or commit that was already there when watching began. A learner that left shows
+``left``, never the leaving beat's number.
 """
 
 from __future__ import annotations
@@ -82,6 +88,13 @@ def _number(value: float | None, unit: str = "", digits: int = 1) -> str:
     return f"{value:,.{digits}f}{unit}"
 
 
+def _age(seconds: float | None, at_least: bool) -> str:
+    """An age as shown: ``—`` when unknown, ``≥ 12.0 s`` when only a lower bound."""
+    if seconds is None:
+        return "—"
+    return f"{'≥ ' if at_least else ''}{seconds:,.1f} s"
+
+
 def _loss(first: float | None, last: float | None) -> Text:
     if last is None:
         return Text("—", style="dim")
@@ -91,14 +104,95 @@ def _loss(first: float | None, last: float | None) -> Text:
     return Text.assemble((f"{first:.4f} → ", "dim"), (f"{last:.4f}", style))
 
 
-def _lease(view: LearnerView | None, polls: int) -> Text:
-    if view is None:
+# -- what is shown: one dict per run, the same for the table and `status --json` ---------
+
+
+def _lease_state(view: LearnerView) -> str:
+    return "left" if view.leaving else "live" if view.live else "lapsed"
+
+
+def _learner_json(view: LearnerView, polls: int) -> dict[str, Any]:
+    # An age needs a beat seen to change: one poll cannot tell it, and a beat that was there
+    # when the watcher started is at least as old as the watching (a finished run).
+    age: float | None = view.seconds_since_beat
+    at_least = not view.beat_age_known
+    if at_least and polls <= 1:
+        age = None
+    return {
+        "learner": view.learner,
+        "lease": _lease_state(view),
+        "live": view.live,
+        "leaving": view.leaving,
+        # The leaving beat's number is a marker (the largest key), not a count of beats.
+        "beat": None if view.leaving else view.beat,
+        "steps": view.steps,
+        "samples": view.samples,
+        "seconds_since_beat": age,
+        "beat_age_at_least": age is not None and at_least,
+        "sync_points": view.sync_points,
+        "contributed": view.contributed,
+        "waited_s": view.waited_s,
+        "skipped": view.skipped,
+        "waiting_fraction": view.waiting_fraction,
+        "skipping": view.skipping,
+        "stalling": view.stalling,
+    }
+
+
+def view_json(
+    url: str, view: RunView, *, polls: int = 1, rate: float | None = None
+) -> dict[str, Any]:
+    """What ``status --json`` prints, and what the table shows (it renders this dict).
+
+    ``polls``: how many polls the watcher made (ages and rates need more than one);
+    ``rate``: samples per second as the caller measures it (default: the view's own).
+    """
+    sync = view.sync
+    if rate is None:
+        rate = view.samples_per_second
+    lag: float | None = view.seconds_since_commit
+    lag_at_least = not view.commit_age_known
+    if polls <= 1:
+        lag = None  # one poll cannot tell the age of a commit already there
+    return {
+        "url": url,
+        "exists": view.exists,
+        "creator": view.creator,
+        "fragments": view.fragments,
+        "algorithm": None if view.algorithm is None else dict(view.algorithm),
+        "rounds_committed": view.rounds_committed,
+        "newest_round": view.newest_round,
+        "newest_per_fragment": {str(f): r for f, r in sorted(view.newest_per_fragment.items())},
+        "last_contributors": list(view.last_contributors),
+        "samples_committed": view.samples_committed,
+        "live_learners": view.live_learners,
+        "open_rounds": {str(r): list(who) for r, who in sorted(view.open_rounds.items())},
+        "seconds_since_commit": lag,
+        "commit_age_at_least": lag is not None and lag_at_least,
+        "samples_per_second": rate if polls > 1 else None,
+        "sync": {
+            "sync_points": sync.sync_points,
+            "contributed": sync.contributed,
+            "waited_s": sync.waited_s,
+            "skipped": sync.skipped,
+            "skipping": list(sync.skipping),
+            "stalling": list(sync.stalling),
+        },
+        "learners": [_learner_json(v, polls) for v in view.learners],
+    }
+
+
+# -- the table, rendered from that dict ------------------------------------------------------
+
+
+def _lease(learner: dict[str, Any] | None) -> Text:
+    if learner is None:
         return Text("no beat yet", style="dim")
-    # One poll cannot tell a beat's age: the observer's clock starts at the first.
-    age = f" ({view.seconds_since_beat:.1f} s)" if polls > 1 else ""
-    if view.leaving:
-        return Text("left" + age, style="dim")
-    return Text("live" + age, style="green") if view.live else Text("lapsed" + age, style="red")
+    state: str = learner["lease"]
+    age = learner["seconds_since_beat"]
+    text = state if age is None else f"{state} ({_age(age, learner['beat_age_at_least'])})"
+    style = {"left": "dim", "live": "green"}.get(state, "red")
+    return Text(text, style=style)
 
 
 def _count(value: int | None, bad: bool = False) -> Text:
@@ -107,41 +201,44 @@ def _count(value: int | None, bad: bool = False) -> Text:
     return Text(f"{value:,}", style="bold red" if bad and value > 0 else "")
 
 
-def _waited(view: LearnerView | None, polls: int, share: bool) -> Text:
-    if view is None or view.waited_s is None:
+def _waited(learner: dict[str, Any] | None, share: bool) -> Text:
+    if learner is None or learner["waited_s"] is None:
         return Text("—", style="dim")
-    text = f"{view.waited_s:,.1f} s"
-    if share and view.waiting_fraction is not None and polls > 1:
-        text += f" ({view.waiting_fraction:.0%})"
-    return Text(text, style="bold yellow" if view.stalling else "")
+    text = f"{learner['waited_s']:,.1f} s"
+    fraction = learner["waiting_fraction"]
+    if share and fraction is not None:
+        text += f" ({fraction:.0%})"
+    return Text(text, style="bold yellow" if learner["stalling"] else "")
 
 
-def _sync_cells(view: LearnerView | None, polls: int, share: bool) -> list[RenderableType]:
-    if view is None:
+def _sync_cells(learner: dict[str, Any] | None, share: bool) -> list[RenderableType]:
+    if learner is None:
         return [Text("—", style="dim")] * 4
     return [
-        _count(view.sync_points),
-        _count(view.contributed),
-        _count(view.skipped, bad=True),
-        _waited(view, polls, share),
+        _count(learner["sync_points"]),
+        _count(learner["contributed"]),
+        _count(learner["skipped"], bad=True),
+        _waited(learner, share),
     ]
 
 
-def _flags(view: RunView) -> list[RenderableType]:
+def _flags(shown: dict[str, Any]) -> list[RenderableType]:
     """A line for each kind of trouble at sync points, naming the learners."""
     lines: list[RenderableType] = []
-    skipping = [v for v in view.learners if v.skipping]
+    skipping = [v for v in shown["learners"] if v["skipping"]]
     if skipping:
-        who = ", ".join(f"{v.learner} ({v.skipped:,} of {v.sync_points or 0:,})" for v in skipping)
+        who = ", ".join(
+            f"{v['learner']} ({v['skipped']:,} of {v['sync_points'] or 0:,})" for v in skipping
+        )
         lines.append(
             Text(
                 f"skipping sync points: {who}; those steps went into later, longer contributions",
                 style="red",
             )
         )
-    stalling = [v for v in view.learners if v.stalling]
+    stalling = [v for v in shown["learners"] if v["stalling"]]
     if stalling:
-        who = ", ".join(f"{v.learner} ({v.waiting_fraction or 0:.0%})" for v in stalling)
+        who = ", ".join(f"{v['learner']} ({v['waiting_fraction'] or 0:.0%})" for v in stalling)
         lines.append(
             Text(
                 f"waiting at sync points {STALLING_FRACTION:.0%} of the time or more: {who}; "
@@ -152,48 +249,91 @@ def _flags(view: RunView) -> list[RenderableType]:
     return lines
 
 
-def _summary(view: RunView | None, polls: int, rate: float | None) -> Table:
+def _summary(shown: dict[str, Any] | None) -> Table:
     grid = Table.grid(padding=(0, 3))
     for _ in range(3):
         grid.add_column(no_wrap=True)
-    if view is None or not view.exists:
+    if shown is None or not shown["exists"]:
         grid.add_row(Text("waiting for the run to appear in the mailbox…", style="dim"))
         return grid
-    fragments = "—" if view.fragments is None else str(view.fragments)
-    newest = "—" if view.newest_round is None else str(view.newest_round)
+    fragments = "—" if shown["fragments"] is None else str(shown["fragments"])
+    newest = "—" if shown["newest_round"] is None else str(shown["newest_round"])
     # samples_committed (and so the rate) counts each trained sample once (RunView's docs).
-    shown_rate = _number(rate, digits=0) if polls > 1 else "—"
-    lag = _number(view.seconds_since_commit, " s") if polls > 1 else "—"
+    rate = _number(shown["samples_per_second"], digits=0)
+    lag = _age(shown["seconds_since_commit"], shown["commit_age_at_least"])
     grid.add_row(
-        f"rounds committed [bold]{view.rounds_committed}[/]",
+        f"rounds committed [bold]{shown['rounds_committed']}[/]",
         f"newest round [bold]{newest}[/]",
-        f"live learners [bold]{view.live_learners}[/]",
+        f"live learners [bold]{shown['live_learners']}[/]",
     )
     grid.add_row(
-        f"samples/s [bold]{shown_rate}[/]",
+        f"samples/s [bold]{rate}[/]",
         f"commit lag [bold]{lag}[/]",
-        f"open rounds [bold]{len(view.open_rounds)}[/]",
+        f"open rounds [bold]{len(shown['open_rounds'])}[/]",
     )
     grid.add_row(
         f"fragments {fragments}",
-        f"samples committed {view.samples_committed:,}",
-        f"creator {view.creator or '—'}",
+        f"samples committed {shown['samples_committed']:,}",
+        Text(f"creator {shown['creator'] or '—'}"),
     )
-    sync = view.sync
+    sync = shown["sync"]
     grid.add_row(
-        f"sync points reached {sync.sync_points:,}",
-        f"contributed {sync.contributed:,}",
+        f"sync points reached {sync['sync_points']:,}",
+        f"contributed {sync['contributed']:,}",
         Text.assemble(
             "skipped ",
-            (f"{sync.skipped:,}", "bold red" if sync.skipped else "bold"),
-            f"   waited {sync.waited_s:,.1f} s",
+            (f"{sync['skipped']:,}", "bold red" if sync["skipped"] else "bold"),
+            f"   waited {sync['waited_s']:,.1f} s",
         ),
     )
     return grid
 
 
-def _learners(view: RunView | None, nodes: Sequence[NodeRow] | None, polls: int) -> Table:
-    seen = {v.learner: v for v in view.learners} if view is not None else {}
+def _state(node: NodeRow) -> Text:
+    """``failed (exit 1, restarts 2)``: one pair of parentheses."""
+    state = node.state
+    if node.restarts:
+        more = f"restarts {node.restarts}"
+        state = f"{state[:-1]}, {more})" if state.endswith(")") else f"{state} ({more})"
+    style = (
+        "red"
+        if node.state.startswith("failed")
+        else "green"
+        if node.state == "done"
+        else "yellow"
+        if node.state == "stopped"
+        else ""
+    )
+    return Text(state, style=style)
+
+
+def _progress(step: int, total: int | None) -> RenderableType:
+    """``120/200`` with a bar; past the total (the count of a learner that rejoined runs
+    on across its restarts, while each start trains ``total``), a full bar and
+    ``674 (200 per start)``."""
+    if not total:
+        return Text(str(step))
+    bar = ProgressBar(total=total, completed=min(step, total), width=16)
+    grid = Table.grid(padding=(0, 1))
+    label = f"{step}/{total}" if step <= total else f"{step} ({total} per start)"
+    grid.add_row(bar, Text(label))
+    return grid
+
+
+def _node_samples(node: NodeRow, learner: dict[str, Any] | None) -> Text:
+    """A learner's samples come from its newest beat; a beat from before its first step
+    (the join, or a start barrier) says nothing yet of a node that is training: ``—``."""
+    if learner is None or learner["samples"] is None:
+        return Text("—", style="dim")
+    if not learner["steps"] and node.step > 0:
+        return Text("—", style="dim")
+    return Text(f"{learner['samples']:,}")
+
+
+def _learners(shown: dict[str, Any] | None, nodes: Sequence[NodeRow] | None) -> Table:
+    seen: dict[str, dict[str, Any]] = (
+        {v["learner"]: v for v in shown["learners"]} if shown is not None else {}
+    )
     # Under `run` the table is wide (process, progress, loss): one space between columns,
     # and the waiting share only in the flag line, so it fits 130 columns. Narrower, the
     # loss and lease cells wrap onto a second line first; the numbers are never cut.
@@ -212,47 +352,30 @@ def _learners(view: RunView | None, nodes: Sequence[NodeRow] | None, polls: int)
     for heading in ("syncs", "contrib", "skipped", "waited"):
         table.add_column(heading, justify="right", no_wrap=True)
     table.add_column("lease (last beat)")
-    shown: set[str] = set()
+    shown_rows: set[str] = set()
     for node in nodes or ():
-        shown.add(node.learner)
+        shown_rows.add(node.learner)
         lv = seen.get(node.learner)
-        step = max(node.step, lv.steps or 0 if lv else 0)
-        if node.total:
-            bar = ProgressBar(total=node.total, completed=min(step, node.total), width=16)
-            progress: RenderableType = Table.grid(padding=(0, 1))
-            assert isinstance(progress, Table)
-            progress.add_row(bar, Text(f"{step}/{node.total}"))
-        else:
-            progress = Text(str(step))
-        state = node.state + (f" (restarts {node.restarts})" if node.restarts else "")
-        style = (
-            "red"
-            if node.state.startswith("failed")
-            else "green"
-            if node.state == "done"
-            else "yellow"
-            if node.state == "stopped"
-            else ""
-        )
+        step = max(node.step, (lv["steps"] or 0) if lv else 0)
         table.add_row(
             node.learner,
-            Text(state, style=style),
-            progress,
+            _state(node),
+            _progress(step, node.total),
             _loss(node.first_loss, node.last_loss),
-            _number(lv.samples, digits=0) if lv and lv.samples is not None else "—",
-            *_sync_cells(lv, polls, share=not wide),
-            _lease(lv, polls),
+            _node_samples(node, lv),
+            *_sync_cells(lv, share=not wide),
+            _lease(lv),
         )
     for learner, lv in seen.items():
-        if learner in shown:
+        if learner in shown_rows:
             continue
         cells: list[RenderableType] = [learner]
         if nodes is not None:
-            cells += [Text("elsewhere", style="dim"), Text(str(lv.steps or 0)), Text("—")]
+            cells += [Text("elsewhere", style="dim"), Text(str(lv["steps"] or 0)), Text("—")]
         else:
-            cells.append("—" if lv.steps is None else f"{lv.steps:,}")
-        cells.append("—" if lv.samples is None else f"{lv.samples:,}")
-        cells += [*_sync_cells(lv, polls, share=not wide), _lease(lv, polls)]
+            cells.append("—" if lv["steps"] is None else f"{lv['steps']:,}")
+        cells.append("—" if lv["samples"] is None else f"{lv['samples']:,}")
+        cells += [*_sync_cells(lv, share=not wide), _lease(lv)]
         table.add_row(*cells)
     return table
 
@@ -267,64 +390,16 @@ def render_run(
     rate: float | None = None,
 ) -> RenderableType:
     """The whole table: a title line, the run's numbers, one row per learner. ``rate``
-    (samples/s) defaults to the view's own."""
-    if rate is None and view is not None:
-        rate = view.samples_per_second
-    parts: list[RenderableType] = [Text(title, style="bold"), _summary(view, polls, rate)]
-    if view is not None and view.exists:
-        parts += _flags(view)
+    (samples/s) defaults to the view's own. It shows :func:`view_json`'s fields."""
+    shown = None if view is None else view_json("", view, polls=polls, rate=rate)
+    parts: list[RenderableType] = [Text(title, style="bold"), _summary(shown)]
+    if shown is not None and shown["exists"]:
+        parts += _flags(shown)
     if error:
         parts.append(Text(f"mailbox: {error}", style="red"))
-    if nodes or (view is not None and view.learners):
-        parts += [Text(""), _learners(view, nodes, polls)]
+    if nodes or (shown is not None and shown["learners"]):
+        parts += [Text(""), _learners(shown, nodes)]
     return Group(*parts)
-
-
-def view_json(url: str, view: RunView) -> dict[str, Any]:
-    sync = view.sync
-    return {
-        "url": url,
-        "exists": view.exists,
-        "creator": view.creator,
-        "fragments": view.fragments,
-        "algorithm": None if view.algorithm is None else dict(view.algorithm),
-        "rounds_committed": view.rounds_committed,
-        "newest_round": view.newest_round,
-        "newest_per_fragment": {str(f): r for f, r in sorted(view.newest_per_fragment.items())},
-        "last_contributors": list(view.last_contributors),
-        "samples_committed": view.samples_committed,
-        "live_learners": view.live_learners,
-        "open_rounds": {str(r): list(who) for r, who in sorted(view.open_rounds.items())},
-        "seconds_since_commit": view.seconds_since_commit,
-        "samples_per_second": view.samples_per_second,
-        "sync": {
-            "sync_points": sync.sync_points,
-            "contributed": sync.contributed,
-            "waited_s": sync.waited_s,
-            "skipped": sync.skipped,
-            "skipping": list(sync.skipping),
-            "stalling": list(sync.stalling),
-        },
-        "learners": [
-            {
-                "learner": v.learner,
-                "live": v.live,
-                "leaving": v.leaving,
-                "beat": v.beat,
-                "steps": v.steps,
-                "samples": v.samples,
-                "seconds_since_beat": v.seconds_since_beat,
-                "sync_points": v.sync_points,
-                "contributed": v.contributed,
-                "waited_s": v.waited_s,
-                "skipped": v.skipped,
-                "waiting_fraction": v.waiting_fraction,
-                "skipping": v.skipping,
-                "stalling": v.stalling,
-            }
-            for v in view.learners
-        ],
-    }
 
 
 # -- gradientmail status -------------------------------------------------------------------
@@ -378,7 +453,8 @@ async def _status(args: argparse.Namespace) -> int:
                     with contextlib.suppress(EmptyPrefix):  # foreign: fail; empty: wait
                         await read_head(box, url)
                 if args.json:
-                    print(json.dumps(view_json(url, view)), flush=True)
+                    shown = view_json(url, view, polls=polls, rate=rate.value())
+                    print(json.dumps(shown), flush=True)
                 else:
                     title = f"run at {url}  (every {args.interval:g} s; Ctrl-C stops)"
                     table = render_run(title, view, polls=polls, rate=rate.value())

@@ -37,6 +37,17 @@ __all__ = ["add_parsers", "run_align", "run_verify"]
 
 _BATCH = 64
 
+# What stays verifiable after sweeping: see coord/sweep.py and engine/verify.py.
+SWEPT_HINT = (
+    "A commit can be verified while its own inputs (the snapshots it combined, its "
+    "parameters and momentum) and its base's (the previous commit of its fragment) are "
+    "stored. A sweep (the nodes' own, or gradientmail sweep) keeps those of each "
+    "fragment's newest keep_rounds commits (2 unless the run set it), so after it only "
+    "each fragment's newest keep_rounds - 1 commits stay verifiable (with 2: the newest), "
+    "and its initial commit while it is among those kept. To verify every commit, run "
+    "verify while the run goes, or give the run a larger keep_rounds."
+)
+
 
 def add_parsers(sub: Any) -> None:
     align = sub.add_parser(
@@ -53,7 +64,7 @@ def add_parsers(sub: Any) -> None:
         help="recompute every commit still verifiable; exit 1 on a mismatch",
         description="Recompute every commit whose inputs are still in the mailbox from its "
         "round record (contributions, base commit, outer momentum) and compare; report "
-        "mismatches (exit 1) and the commits the sweep has made unverifiable.",
+        "mismatches (exit 1) and the commits the sweep has made unverifiable. " + SWEPT_HINT,
     )
     verify.add_argument("url", help="the run's mailbox URL")
     verify.add_argument("-v", "--verbose", action="store_true", help="one line per commit")
@@ -131,11 +142,27 @@ async def _align(
     raise AssertionError("unreachable")
 
 
+def _why(exc: BaseException) -> str:
+    return exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+
+
+def _writable(target: Path) -> None:
+    """Fail before any download when ``--out`` cannot be written: a directory, a parent
+    that is a file or cannot be created, a folder without write permission."""
+    if target.is_dir():
+        raise CliError(f"--out {target}: is a directory", USAGE)
+    folder = target.parent
+    existing = next((p for p in (folder, *folder.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise CliError(f"--out {target}: {existing} is a file, not a folder", USAGE)
+    if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
+        raise CliError(f"--out {target}: {existing} is not writable")
+
+
 def run_align(args: argparse.Namespace) -> int:
     url: str = args.url
     target: Path = args.out
-    if target.exists() and target.is_dir():
-        raise CliError(f"--out {target}: is a directory", USAGE)
+    _writable(target)
     box, manifest = _checked(url)
     from safetensors.torch import save_file
 
@@ -147,10 +174,14 @@ def run_align(args: argparse.Namespace) -> int:
         "gradientmail.rounds": json.dumps({str(f): r for f, r in sorted(rounds.items())}),
         "gradientmail.mailbox": url,
     }
-    target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f".{target.name}.partial")
-    save_file(tensors, str(partial), metadata=metadata)
-    os.replace(partial, target)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(partial), metadata=metadata)
+        os.replace(partial, target)
+    except Exception as exc:  # OSError, or safetensors' own error for the same causes
+        partial.unlink(missing_ok=True)
+        raise CliError(f"--out {target}: cannot write it: {_why(exc)}") from None
     count = sum(t.numel() for t in tensors.values())
     out().print(
         f"wrote {target}: {len(tensors)} tensors, {count:,} parameters, "
@@ -257,6 +288,7 @@ def run_verify(args: argparse.Namespace) -> int:
             f"  not verifiable (their inputs were swept): rounds {_ranges(unverifiable)}",
             markup=False,
         )
+        console.print(f"  {SWEPT_HINT}", markup=False)
     if mismatches:
         errors = err()
         for line in mismatches:
