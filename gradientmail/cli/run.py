@@ -8,7 +8,19 @@ another (``--mailbox spec`` takes the spec file's, with a fresh prefix under it)
 
 The run folder holds ``mailbox/``, ``logs/{learner}.log`` (each node's output),
 ``nodes.json`` (pids and process groups) and ``run.yaml`` (the effective resource, which
-``kubectl apply`` and ``gradientmail run -f`` both take).
+``kubectl apply`` and ``gradientmail run -f`` both take; its first line and the annotation
+``gradientmail.dev/command`` record the command line typed, ``spec.template.command`` the
+command after ``--``).
+
+A mailbox that already holds a run is checked before any node starts:
+
+- the run's manifest against what the nodes would write (the algorithm settings; the
+  model's layout too for the built-in node): a difference is one error listing them all;
+- the nodes' learner ids: ids someone is beating as right now (their newest beat advances
+  within 1.5 beat intervals, 7.5 s at most) belong to another live ``gradientmail run``,
+  and are refused with one line naming them and their beats' age. ``--join`` instead adds
+  the nodes as new learners, numbered after every learner the mailbox knows. An earlier
+  run's learners that left or crashed (beats that stand still) are rejoined.
 
 Ending: a node that exits non-zero is restarted, as the same learner, while the run's
 ``maxRestarts`` lasts; after that the others are stopped and the failing node's log tail
@@ -22,9 +34,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import os
 import queue
 import re
+import shlex
 import shutil
 import signal
 import sys
@@ -45,14 +59,17 @@ from gradientmail.cli._common import USAGE, CliError, err, mailbox_for, out, sto
 from gradientmail.cli._nodes import Interrupted, Node, Runner, Watch
 from gradientmail.cli.spec import LOCAL_DEFAULTS, LoadedSpec, load_spec
 from gradientmail.cli.table import render_run
+from gradientmail.coord.leases import DEFAULT_LEASE_TIMEOUT, beating
 from gradientmail.errors import MailboxError, ProtocolError
 from gradientmail.inspect import RunView
-from gradientmail.launch.runspec import mailbox_url, node_env
+from gradientmail.launch.env import NodeEnv
+from gradientmail.launch.runspec import DEFAULT_COMMAND, learner_id, mailbox_url, node_env
 from gradientmail.mailbox import Mailbox
 
 __all__ = ["add_parser", "run_command"]
 
 POLL = 0.1  # seconds between looks at the processes
+COMMAND_ANNOTATION = "gradientmail.dev/command"  # run.yaml: the command line that ran it
 
 # -- arguments -----------------------------------------------------------------------------
 
@@ -75,6 +92,13 @@ def add_parser(sub: Any) -> None:
         "'spec' uses the file's spec.mailbox with a fresh prefix under it",
     )
     run.add_argument("--name", help="run name: learners are NAME-node-I (metadata.name, local)")
+    run.add_argument(
+        "--join",
+        action="store_true",
+        help="add these nodes to the run the mailbox already holds, as new learners (ids "
+        "after those it has); without it, a mailbox where learners of the same ids are "
+        "live is refused",
+    )
     defaults = LOCAL_DEFAULTS["algorithm"]
     group = run.add_argument_group(
         "spec fields (override the file; without one the defaults below apply)"
@@ -165,8 +189,8 @@ def _signals_interrupt() -> Iterator[None]:
             signal.signal(signum, old)
 
 
-def _probe(box: Mailbox, url: str) -> str | None:
-    """Reach the store once (bounded by its timeouts); say what it already holds."""
+def _probe(box: Mailbox, url: str) -> p.Manifest | None:
+    """Reach the store once (bounded by its timeouts); the run it already holds, if any."""
 
     async def head() -> bytes | None:
         return await box.get(p.MANIFEST)
@@ -178,9 +202,107 @@ def _probe(box: Mailbox, url: str) -> str | None:
     if data is None:
         return None
     try:
-        return p.decode_manifest(p.MANIFEST, data).creator
+        return p.decode_manifest(p.MANIFEST, data)
     except ProtocolError as exc:
         raise CliError(f"{url} holds something GradientMail did not write: {exc}") from None
+
+
+def _builtin(command: Sequence[str]) -> bool:
+    """Whether ``command`` (as :func:`_command` made it) runs the built-in node."""
+    return list(command) == [sys.executable, *DEFAULT_COMMAND[1:]]
+
+
+def _check_manifest(run: p.Manifest, env: NodeEnv, command: Sequence[str]) -> None:
+    """Refuse nodes that would not match the mailbox's run, before any starts: the
+    algorithm settings always, the model's layout when the nodes run the built-in node
+    (another command's model is known only to its nodes, which check it themselves)."""
+    from gradientmail.algorithms import DiLoCo  # torch: only when there is a run to match
+
+    algorithm = DiLoCo(
+        sync_every=env.sync_every,
+        fragments=env.fragments,
+        outer_lr=env.outer_lr,
+        outer_momentum=env.outer_momentum,
+    )  # what NodeEnv.session gives every node
+    if _builtin(command):
+        from gradientmail.engine.layout import ModelLayout
+        from gradientmail.node import _builtin_model
+
+        mine = ModelLayout(_builtin_model(), algorithm).manifest(env.learner_id, algorithm)
+    else:
+        mine = dataclasses.replace(run, algorithm=algorithm.settings())
+    differences = run.differences(mine)
+    if differences:
+        raise CliError(
+            f"the mailbox holds a run (created by {run.creator}) that these nodes do not "
+            "match; give another --mailbox, or the run's own settings:\n  "
+            + "\n  ".join(d.replace("this node has", "these nodes have") for d in differences),
+            USAGE,
+        )
+
+
+def _learners(box: Mailbox, url: str) -> set[str]:
+    """Every learner with a beat in the mailbox, live or not."""
+
+    async def listing() -> Sequence[str]:
+        return await box.list(p.LEASES)
+
+    try:
+        keys = asyncio.run(listing())
+    except MailboxError as exc:
+        raise store_error(url, exc) from None
+    found = set()
+    for key in keys:
+        with contextlib.suppress(ProtocolError):
+            found.add(p.parse_beat_key(key)[0])
+    return found
+
+
+def _join_offset(name: str, count: int, known: set[str]) -> int:
+    """The first index from which ``count`` learner ids of run ``name`` are all unknown."""
+    offset = 0
+    while any(learner_id(name, offset + i) in known for i in range(count)):
+        offset += 1
+    return offset
+
+
+def _check_not_live(box: Mailbox, url: str, learners: list[str], console: Console) -> None:
+    """Refuse learner ids another process is beating as (another `gradientmail run` on the
+    same mailbox); an earlier run's learners whose beats stopped are rejoined."""
+
+    def watching(watched: list[str], seconds: float) -> None:
+        console.print(
+            f"checking whether {escape(', '.join(watched))} "
+            f"{'is' if len(watched) == 1 else 'are'} still live in the mailbox "
+            f"(up to {seconds:.1f} s)…"
+        )
+
+    try:
+        found = asyncio.run(beating(box, learners, DEFAULT_LEASE_TIMEOUT / 3, watching=watching))
+    except MailboxError as exc:
+        raise store_error(url, exc) from None
+    if found:
+        raise CliError(
+            "the mailbox holds a run whose learners of the same ids are live: "
+            + ", ".join(b.describe() for b in found.values())
+            + "; another process is running them (another `gradientmail run`?). "
+            "Add these nodes to that run with --join, or use another --mailbox or --name"
+        )
+
+
+def _user_command(args: argparse.Namespace) -> str:
+    """The command line the user typed, for run.yaml."""
+    argv = sys.argv[1:]
+    if argv[:1] != ["run"]:  # called as a function: rebuild it from the arguments
+        argv = ["run"]
+        for key, value in vars(args).items():
+            if key in ("subcommand", "command") or value in (None, False):
+                continue
+            flag = "--" + key.replace("_", "-")
+            argv += [flag] if value is True else [flag, str(value)]
+        if args.command:
+            argv += ["--", *args.command]
+    return shlex.join(["gradientmail", *argv])
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -201,6 +323,8 @@ def run_command(args: argparse.Namespace) -> int:
     command = _command(args, loaded)
     if args.mailbox == "spec" and not loaded.has_mailbox:
         raise CliError("--mailbox spec: the spec file names no mailbox", USAGE)
+    if args.join and args.mailbox in (None, "spec"):
+        raise CliError("--join: give the --mailbox URL of the run to join", USAGE)
     if args.mailbox not in (None, "spec"):
         if urlsplit_scheme(args.mailbox) not in ("file", "s3"):
             raise CliError(
@@ -216,19 +340,39 @@ def run_command(args: argparse.Namespace) -> int:
         url = mailbox_url(loaded.spec, f"local/{workdir.name}")
     else:
         url = args.mailbox
+    spec = loaded.spec
+    envs = [node_env(spec, name, i, url) for i in range(spec.nodes)]
     try:
         box = mailbox_for(url, create=True)
-        creator = _probe(box, url)
+        manifest = _probe(box, url)
+        if manifest is not None:
+            _check_manifest(manifest, envs[0], command)
+        if args.mailbox not in (None, "spec"):  # a fresh mailbox holds nobody
+            if args.join:
+                offset = _join_offset(name, spec.nodes, _learners(box, url))
+                envs = [
+                    dataclasses.replace(env, learner_id=learner_id(name, offset + env.node_index))
+                    for env in envs
+                ]
+            else:
+                _check_not_live(box, url, [env.learner_id for env in envs], console)
     except CliError:
         if args.workdir is None:  # nothing ran: leave no empty run folder behind
             shutil.rmtree(workdir, ignore_errors=True)
         raise
-    spec = loaded.spec
+    creator = None if manifest is None else manifest.creator
     resource = loaded.resource
     if args.mailbox != "spec":
         resource["spec"]["mailbox"] = {"url": url}
-    (workdir / "run.yaml").write_text(yaml.safe_dump(resource, sort_keys=False))
-    envs = [node_env(spec, name, i, url) for i in range(spec.nodes)]
+    if args.command:  # what the nodes ran, as the user wrote it
+        resource["spec"].setdefault("template", {})
+        resource["spec"]["template"]["command"] = list(args.command)
+        resource["spec"]["template"]["args"] = []
+    typed = _user_command(args)
+    resource["metadata"].setdefault("annotations", {})[COMMAND_ANNOTATION] = typed
+    (workdir / "run.yaml").write_text(
+        f"# written by: {typed}\n" + yaml.safe_dump(resource, sort_keys=False)
+    )
     nodes = [Node(i, env, workdir / "logs" / f"{env.learner_id}.log") for i, env in enumerate(envs)]
     algo = spec.algorithm
     console.print(f"[bold]run folder[/] {escape(str(workdir))}")
@@ -241,7 +385,8 @@ def run_command(args: argparse.Namespace) -> int:
     if creator is not None:
         console.print(
             f"[yellow]note[/]: the mailbox already holds a run (created by "
-            f"{escape(creator)}); the nodes join it"
+            f"{escape(creator)}); the nodes join it as "
+            f"{escape(', '.join(n.learner for n in nodes))}"
         )
     runner = Runner(
         nodes, command, _base_environ(loaded, spec.nodes, errors), workdir, spec.max_restarts

@@ -7,7 +7,9 @@ One implementation for every holder of a lease: a Session's (``leases/``, a JSON
 
 - :meth:`Heartbeat.start` resumes a learner's earlier life: its stale beats go (the
   leaving beat of a previous life first, or it would read as gone for good) and the
-  numbers continue after the newest.
+  numbers continue after the newest. It cannot tell an earlier life from another process
+  beating as the same learner right now: whoever must (a Session) asks
+  :func:`~gradientmail.coord.leases.beating` first.
 - :meth:`Heartbeat.run` is a task of its own: a long transfer on the same event loop
   never starves it (a learner that looked dead would have its rounds closed by others).
 - Old beats are deleted in batches, one request per eight beats: an idle learner's

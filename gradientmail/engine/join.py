@@ -48,7 +48,7 @@ import torch
 from gradientmail import wire as p
 from gradientmail.algorithms.base import Algorithm
 from gradientmail.coord.election import abandoned
-from gradientmail.coord.leases import LeaseTracker
+from gradientmail.coord.leases import DEFAULT_LEASE_TIMEOUT, LeaseTracker
 from gradientmail.coord.retry import retrying
 from gradientmail.engine.layout import ModelLayout
 from gradientmail.errors import PayloadCorrupt, ProtocolError
@@ -63,7 +63,7 @@ T = TypeVar("T")
 _log = logging.getLogger("gradientmail")
 _FALLBACK = 8  # older commits of a fragment tried when its newest cannot be loaded
 _POLL = 0.2
-LEASE_TIMEOUT = 15.0
+LEASE_TIMEOUT = DEFAULT_LEASE_TIMEOUT
 """How long a creator may show no sign of life before a joiner takes over (Session's default
 ``lease_timeout``)."""
 

@@ -38,11 +38,12 @@ import torch
 from gradientmail import wire as p
 from gradientmail.algorithms.base import Algorithm
 from gradientmail.coord.heartbeat import Heartbeat
-from gradientmail.coord.leases import LeaseTracker
+from gradientmail.coord.leases import LeaseTracker, beating
 from gradientmail.coord.threads import Wake, run_coroutine
 from gradientmail.engine.closer import RoundCloser
 from gradientmail.engine.join import establish, load_newest
 from gradientmail.engine.layout import ModelLayout
+from gradientmail.errors import ProtocolError
 from gradientmail.events import (
     Counters,
     Event,
@@ -82,6 +83,14 @@ class Session(_TrainingSide, _Background):
     ``wait_timeout`` seconds (default: ``round_timeout`` plus three lease periods, time for a
     closer to fail over).
     ``on_event`` is called on background threads.
+
+    A learner id is one process at a time: when another process is beating as
+    ``learner_id`` (its newest beat advances while this one watches), the constructor raises
+    ``ProtocolError`` naming the id and its last beat's age. The same id restarted after a
+    crash resumes its place: its earlier life's beats no longer advance. Telling the two
+    apart costs a restart whose earlier life did not leave (crashed, killed) a wait of up
+    to 1.5 beat intervals (``lease_timeout / 2``: 7.5 s by default); a first start, or one
+    after a clean leave, does not wait.
     """
 
     def __init__(
@@ -357,6 +366,7 @@ class Session(_TrainingSide, _Background):
 
     async def _join(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
+        await self._check_not_live(deadline)
         _, creator = await establish(
             self._box,
             self._layout,
@@ -379,6 +389,21 @@ class Session(_TrainingSide, _Background):
             self._applied[fragment] = self._known[fragment] = rounds[fragment]
         self._emit(Joined(self.learner_id, creator=creator, rounds=tuple(self._applied)))
         return creator
+
+    async def _check_not_live(self, deadline: float) -> None:
+        """Refuse a learner id that another process is beating as right now; an earlier life
+        of this learner (crashed, killed: beats that stopped) is resumed. Before the
+        heartbeat starts, which would delete the other's beats."""
+        found = await beating(
+            self._box, [self.learner_id], self._heartbeat.interval, deadline=deadline
+        )
+        if self.learner_id in found:
+            live = found[self.learner_id]
+            raise ProtocolError(
+                f"learner {self.learner_id} is already live in this run: its beat advanced "
+                f"to {live.beat} {live.age:.1f} s ago, so another process holds this learner "
+                "id; give this node another learner_id, or stop the other one first"
+            )
 
     # -- background threads ------------------------------------------------------------------
 
