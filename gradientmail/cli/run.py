@@ -55,7 +55,15 @@ from rich.live import Live
 from rich.markup import escape
 
 from gradientmail import wire as p
-from gradientmail.cli._common import USAGE, CliError, err, mailbox_for, out, store_error
+from gradientmail.cli._common import (
+    USAGE,
+    CliError,
+    TracebackFolder,
+    err,
+    mailbox_for,
+    out,
+    store_error,
+)
 from gradientmail.cli._nodes import Interrupted, Node, Runner, Watch
 from gradientmail.cli.spec import LOCAL_DEFAULTS, LoadedSpec, load_spec
 from gradientmail.cli.table import render_run
@@ -410,13 +418,19 @@ def run_command(args: argparse.Namespace) -> int:
             rate=watch.rate.value(),
         )
 
+    # A node's traceback shows as its last line here; the whole of it is in the node's log.
+    folders = {
+        n.learner: TracebackFolder(f"{n.learner}: ", f" (traceback in {n.log})") for n in nodes
+    }
+
     def relay(print_line: Any) -> None:
         while True:
             try:
-                _node, line = runner.lines.get_nowait()
+                node, line = runner.lines.get_nowait()
             except queue.Empty:
                 return
-            print_line(line)
+            for shown in folders[node.learner].feed(line):
+                print_line(shown)
 
     live: Live | None = None
     last_status = 0.0
@@ -452,6 +466,10 @@ def run_command(args: argparse.Namespace) -> int:
                 runner.stop(args.stop_timeout)
             # After Ctrl-C the nodes' tracebacks are noise here; they are in the logs.
             relay(lambda line: None if interrupted else console.print(escape(line)))
+            for folder in folders.values():
+                for shown in folder.flush():
+                    if not interrupted:
+                        console.print(escape(shown))
             watch.finish()
             if live is not None:
                 live.stop()
@@ -465,7 +483,9 @@ def run_command(args: argparse.Namespace) -> int:
         )
         return 128 + interrupted.signum
     if failed is not None:
-        tail = "\n".join(f"  {line}" for line in failed.tail) or "  (no output)"
+        folder = TracebackFolder(suffix=" (the traceback is in the log)")
+        lines = [shown for line in failed.tail for shown in folder.feed(line)] + folder.flush()
+        tail = "\n".join(f"  {line}" for line in lines) or "  (no output)"
         errors.print(
             f"[red]{escape(failed.learner)} failed (exit {failed.exit_code})"
             f"{' after ' + str(failed.restarts) + ' restarts' if failed.restarts else ''}[/]; "
