@@ -84,6 +84,7 @@ _TORCH_NAMES = {
     "Algorithm": ("gradientmail.algorithms", "Algorithm"),
     "align": ("gradientmail.session", "align"),
     "verify": ("gradientmail.engine.verify", None),
+    "node": ("gradientmail.node", None),  # no torch until a node trains; lazy all the same
 }
 
 
@@ -98,7 +99,9 @@ def __getattr__(name: str) -> Any:
     except ModuleNotFoundError as exc:
         if exc.name in ("torch", "safetensors", "numpy"):
             raise ImportError(
-                f"gradientmail.{name} needs {exc.name}: pip install 'gradientmail[torch]'"
+                f"gradientmail.{name} needs {exc.name}, which is not installed: install "
+                f"GradientMail with its torch extra, pip install '<checkout or wheel>[torch]' "
+                f"(it is not on PyPI)"
             ) from exc
         raise
     value = module if attribute is None else getattr(module, attribute)

