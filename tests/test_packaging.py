@@ -352,3 +352,19 @@ def test_building_the_wheel_prints_no_license_deprecation(tmp_path: Path) -> Non
         if re.search(r"(?i)license.*deprecat|deprecat.*license", ln)
     ]
     assert not noisy, noisy[:5]
+
+
+def test_the_command_without_the_cli_extra_names_it_in_one_line() -> None:
+    code = (
+        "import sys\n"
+        "sys.modules['rich'] = None  # not installed\n"
+        "from gradientmail._command import main\n"
+        "sys.exit(main(['status', 'file:///nowhere']))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert "[cli]" in done.stderr
+    assert "Traceback" not in done.stderr

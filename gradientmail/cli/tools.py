@@ -76,7 +76,8 @@ def _import_torch() -> None:
         import torch  # noqa: F401
     except ModuleNotFoundError as exc:
         raise CliError(
-            f"this command needs {exc.name}: pip install 'gradientmail[torch]'"
+            f"this command needs {exc.name}: install the [torch] extra from your GradientMail "
+            "checkout (pip install '/path/to/checkout[torch]')"
         ) from None
 
 
