@@ -120,7 +120,9 @@ def _state(namespace: str, name: str) -> RunState:
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.finalizer = f"{GROUP}/cleanup"
     settings.posting.level = logging.WARNING
-    settings.watching.server_timeout = 120
+    # Each watch is re-opened when it times out: per operator, not per run, but on a quiet
+    # cluster with one run it is most of the traffic.
+    settings.watching.server_timeout = 600
     settings.scanning.disabled = not CLUSTER_SCANNING
     kube()
     metrics.serve(metrics.port_from_env())
