@@ -228,8 +228,8 @@ def test_a_pool_keeps_one_idle_buffer_whatever_the_number_of_fragments() -> None
 def test_a_long_run_stops_growing_once_warm(tmp_path: Any) -> None:
     """One learner alone (it closes every round itself) on a file mailbox (the store's
     growth is on disk): from round 50 to round 210 the library's tensors held and its
-    Python allocations do not grow. Each is the least of three looks a few rounds apart,
-    so an object in flight at one look does not count. In a process of its own: threads
+    Python allocations do not grow. Each look comes after ``sync()`` (nothing in flight),
+    and each number is the least of three looks a few rounds apart. In a process of its own: threads
     other tests left behind would allocate in the library too."""
     context = multiprocessing.get_context("spawn")
     with context.Pool(1) as pool:
@@ -262,6 +262,9 @@ def _long_run(directory: str) -> tuple[dict[str, list[tuple[int, int]]], list[st
                         param.add_(0.001)
                 session.step()
                 if step in looks:
+                    # A quiet point: every fragment contributed and its commit applied, so
+                    # what a loaded machine has in flight at this moment does not count.
+                    session.sync()
                     session.events.clear()  # bounded (1000), but filling up is not a leak
                     snapshot = _library_snapshot()
                     total = sum(stat.size for stat in snapshot.statistics("filename"))
