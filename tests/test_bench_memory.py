@@ -65,9 +65,10 @@ def test_memory_benchmark_reports_every_configuration(tmp_path: Path) -> None:
             if usage is not None:  # None on a checkout without gm.memory_usage
                 assert set(_memory_report.PURPOSES) <= set(usage["peak"])
                 assert set(_memory_report.PURPOSES) <= set(usage["live"])
-                assert usage["peak_total"] >= 0
-                assert usage["live_total"] >= 0
-                assert usage["idle"] >= 0
+                assert usage["live_total"] == sum(usage["live"].values()), usage
+                peaks = usage["peak"].values()
+                assert max(peaks) <= usage["peak_total"] <= sum(peaks), usage
+                assert usage["live_total"] <= usage["peak_total"], usage
 
     # Every measured configuration has its rows in the tables; the targets are stated.
     peaks, ledger, growth = report.tables[1], report.tables[2], report.tables[3]

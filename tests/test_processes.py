@@ -2,9 +2,10 @@
 
 Every test runs over a file mailbox and over each S3 server of ``GRADIENTMAIL_S3_ENDPOINT``:
 
-- spec 004's setup: nodes of 400 and 100 steps commit >= 30 training rounds, most of them
-  with both nodes; a checker recomputes every commit as it lands, and ``gm.align`` in that
-  third process loads the newest commit of each fragment;
+- spec 004's setup: nodes of 400 and 100 steps commit >= 30 training rounds (one at least
+  for each sync point of the longer node, every step of both in a commit), every one of
+  them with both nodes while both train; a checker recomputes every commit as it lands,
+  and ``gm.align`` in that third process loads the newest commit of each fragment;
 - a learner killed with SIGKILL: the survivor goes on committing rounds alone, and the
   victim's lease lapses;
 - a late joiner: it starts from the newest commits and then contributes to later rounds.
@@ -22,7 +23,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -39,6 +39,7 @@ from gradientmail.inspect import LearnerView, RunWatcher
 from gradientmail.payload import get_tensors
 from tests.s3env import S3Target, remove_prefix, s3_targets
 from tests.support.waiting import TEST_TIMEOUT, wait_until
+from tests.training import sync_points
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "synthetic.py"
@@ -182,12 +183,6 @@ def killing(*nodes: Node) -> Iterator[None]:
             node.kill()
 
 
-def pause(seconds: float) -> None:
-    """Let the run go on for a moment (bounded, used between wait_until calls)."""
-    end = time.monotonic() + seconds
-    wait_until(lambda: time.monotonic() >= end, f"{seconds} s to pass", timeout=seconds + 5)
-
-
 # -- a. spec 004's end-to-end check ----------------------------------------------------------
 
 
@@ -195,19 +190,27 @@ def test_spec_setup_commits_verified_rounds_and_align_loads_the_newest(
     store: Store, tmp_path: Path
 ) -> None:
     result_path, aligned_path = tmp_path / "result.json", tmp_path / "aligned.safetensors"
+    steps, batch = {"node-0": 400, "node-1": 100}, 32
+    schedule = sync_points(gm.DiLoCo(sync_every=SYNC_EVERY, fragments=FRAGMENTS), 400)
     argv = [
         sys.executable,
         str(SCRIPT),
         f"--mailbox={store.url}",
         "--nodes=2",
-        "--steps=400,100",
+        f"--steps={steps['node-0']},{steps['node-1']}",
+        f"--batch-size={batch}",
         f"--sync-every={SYNC_EVERY}",
         f"--fragments={FRAGMENTS}",
-        "--min-rounds=30",
-        # The checker must verify round r before the sweep removes its base commit's
-        # payloads, (keep_rounds - 1) * fragments rounds later: one more cycle of slack for
-        # a loaded CI machine.
-        "--keep-rounds=3",
+        # The script's own count is a floor of 30; the test checks the exact schedule below.
+        f"--min-rounds={sum(schedule.values())}",
+        # While both nodes train, a round waits for both (it closes early once both
+        # contributed, so this is a bound only a failure reaches), and a live node is never
+        # judged gone: every round of that span holds both, however loaded the machine.
+        f"--round-timeout={TEST_TIMEOUT}",
+        f"--lease-timeout={TEST_TIMEOUT}",
+        # The checker verifies every commit as it lands: nothing is swept under it however
+        # far behind it falls (sweeping is tested in test_session.py).
+        "--keep-rounds=100000",
         f"--timeout={RUN_LIMIT}",
         f"--result={result_path}",
         f"--aligned={aligned_path}",
@@ -230,16 +233,23 @@ def test_spec_setup_commits_verified_rounds_and_align_loads_the_newest(
     assert summary["verified"] == len(committed)
 
     training = rounds.training()
+    assert sorted(training) == list(range(FRAGMENTS, max(training) + 1)), training
+    # Every sync point of node-0 (400 steps) hands a contribution over to a round of its
+    # own and waits for that round's commit: at least one round per sync point.
+    assert len(training) >= sum(schedule.values()), training
+    # Both start together (a start barrier), and a round waits for every live node: every
+    # round up to node-1's last holds both; after it, node-0 goes on alone.
     both = [r for r, who in training.items() if set(who) == {"node-0", "node-1"}]
-    assert len(training) >= 30, training
-    # node-1 trains 100 steps, node-0 400: while both train, every sync point of each
-    # contributes and waits for the round, so most rounds of that span hold both (after
-    # it, node-0 goes on alone, contributing at every sync point).
-    span = [r for r in training if min(both, default=0) <= r <= max(both, default=-1)]
-    assert len(both) > len(span) / 2, training
+    assert both == list(range(FRAGMENTS, max(both) + 1)), training
+    assert all(who == ("node-0",) for r, who in training.items() if r > max(both)), training
     for r, who in training.items():
         assert checked[r]["contributors"] == list(who)
         assert checked[r]["samples"] == committed[r].samples
+    # Every step of both nodes is in exactly one commit of each fragment.
+    assert {name: node["done"]["steps"] for name, node in summary["nodes"].items()} == steps
+    for f in range(FRAGMENTS):
+        samples = sum(committed[r].samples for r in training if r % FRAGMENTS == f)
+        assert samples == sum(steps.values()) * batch, f
 
     # align, in the checker, loaded the newest commit of every fragment, bit for bit.
     newest = rounds.newest()
@@ -262,13 +272,25 @@ def watch(watcher: RunWatcher) -> dict[str, LearnerView]:
     return {learner.learner: learner for learner in view.learners}
 
 
+class StepClock:
+    """The test watcher's clock: it moves only when the test moves it, so a lease lapses in
+    the watcher's view exactly when the test says, whatever the delays on a loaded machine."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_killed_learner_lease_lapses_and_the_survivor_goes_on(store: Store) -> None:
     survivor = Node(store, 0, steps=LONG, parties=2)
     victim = Node(store, 1, steps=LONG, parties=2)
     with killing(survivor, victim):
         box = store.open()
         rounds = Rounds(box)
-        watcher = RunWatcher(box, lease_timeout=LEASE_TIMEOUT)
+        clock = StepClock()
+        watcher = RunWatcher(box, lease_timeout=LEASE_TIMEOUT, clock=clock)
         survivor.wait_for("started")
         victim.wait_for("started")
 
@@ -281,10 +303,12 @@ def test_killed_learner_lease_lapses_and_the_survivor_goes_on(store: Store) -> N
 
         victim.proc.send_signal(signal.SIGKILL)
         victim.proc.wait(timeout=10)
-        killed_at = time.monotonic()
         last_before = max(rounds.refresh())
-        # Dead, but not gone yet: it did not leave, so only its lease can lapse.
+        # Dead, but not gone: it did not leave, so only its lease can lapse, and it has
+        # not yet on the watcher's clock (its newest beat is seen at this clock reading).
         assert watch(watcher)["node-1"].live
+        clock.now += 0.9 * LEASE_TIMEOUT
+        assert watch(watcher)["node-1"].live, "the lease lapsed before lease_timeout"
 
         def alone_after_kill() -> list[int]:
             rounds.refresh()
@@ -295,16 +319,17 @@ def test_killed_learner_lease_lapses_and_the_survivor_goes_on(store: Store) -> N
         # The survivor keeps committing: several new rounds, with itself alone.
         wait_until(lambda: len(alone_after_kill()) >= FRAGMENTS, "rounds by the survivor")
 
-        # The victim's lease lapses: not live, and not a clean leave.
-        def lapsed_view() -> LearnerView | None:
-            view = watch(watcher)["node-1"]
-            return None if view.live else view
-
-        lapsed = wait_until(lapsed_view, "node-1's lease to lapse")
+        # The victim's lease lapses once lease_timeout passed without a new beat: not live,
+        # and not a clean leave.
+        clock.now += 0.2 * LEASE_TIMEOUT
+        lapsed = watch(watcher)["node-1"]
+        assert not lapsed.live
         assert not lapsed.leaving
-        assert time.monotonic() - killed_at >= LEASE_TIMEOUT / 4  # it lapsed, not vanished
-        views = watch(watcher)
-        assert views["node-0"].live
+        # The survivor's next beat makes it live again on the same clock; the victim's
+        # lease stays lapsed.
+        views = wait_until(
+            lambda: (v := watch(watcher))["node-0"].live and v, "a new beat of the survivor"
+        )
         assert not views["node-1"].live
         assert survivor.proc.poll() is None, "the survivor stopped"
         assert victim.record("done") is None
@@ -346,6 +371,11 @@ def test_late_joiner_starts_from_the_newest_commits_and_contributes(store: Store
                 ]
 
             wait_until(lambda: len(contributed()) >= FRAGMENTS, "rounds with the late joiner")
-            assert any(set(rounds.training()[r]) == {"node-0", "node-1"} for r in contributed())
+            wait_until(
+                lambda: any(
+                    set(rounds.training()[r]) == {"node-0", "node-1"} for r in contributed()
+                ),
+                "a round with both nodes",
+            )
             assert late.proc.poll() is None
             assert first.proc.poll() is None

@@ -12,6 +12,7 @@ import pytest
 import gradientmail as gm
 from tests.s3env import S3Target, remove_prefix
 from tests.stub_s3 import Reply, Request, closed_port, error_xml, stub_s3
+from tests.support.waiting import TEST_TIMEOUT
 
 
 def _box(endpoint: str, **options: object) -> gm.S3Mailbox:
@@ -97,7 +98,9 @@ def test_unreachable_endpoint_is_unavailable_and_fast() -> None:
     started = time.monotonic()
     with pytest.raises(gm.MailboxUnavailable, match=re.escape(endpoint)):
         asyncio.run(_box(endpoint, max_attempts=2).get("k/1"))
-    assert time.monotonic() - started < 30
+    # Bounded retries, not a hang: within the suite's bound for a condition (raised with
+    # GRADIENTMAIL_TEST_TIMEOUT on a slow machine); a refused connection takes milliseconds.
+    assert time.monotonic() - started < TEST_TIMEOUT
 
 
 def test_silent_server_is_bounded_by_read_timeout() -> None:

@@ -13,6 +13,13 @@ import torch
 
 import gradientmail as gm
 from gradientmail import wire as p
+from tests.support.waiting import TEST_TIMEOUT
+
+# Session options under which learners that start together train in lockstep: every round
+# waits for every live learner (round_timeout), and a live learner is never judged gone
+# (lease_timeout), whatever the delays on a loaded machine; both are bounds that only a
+# failure reaches (a round that waits the whole round_timeout fails the test's waits).
+LOCKSTEP: dict[str, Any] = {"round_timeout": TEST_TIMEOUT, "lease_timeout": TEST_TIMEOUT}
 
 
 def make_model(seed: int = 0, width: int = 16) -> torch.nn.Module:
@@ -39,9 +46,11 @@ def train(
     mailbox: gm.Mailbox,
     algorithm: gm.DiLoCo,
     started: threading.Event | None = None,
+    start: threading.Barrier | None = None,
     **options: Any,
 ) -> None:
-    """Join, train ``learner.steps`` steps of a tiny regression, close."""
+    """Join, train ``learner.steps`` steps of a tiny regression, close. With ``start``, the
+    training begins once every learner of the barrier has joined."""
     options.setdefault("poll_interval", 0.05)
     options.setdefault("round_timeout", 1.0)
     options.setdefault("lease_timeout", 3.0)
@@ -60,6 +69,8 @@ def train(
             learner.joined_rounds = session.rounds
             if started is not None:
                 started.set()
+            if start is not None:
+                start.wait(timeout=TEST_TIMEOUT)
             for _ in range(learner.steps):
                 x = torch.randn(16, 8, generator=generator)
                 y = x.sum(dim=1, keepdim=True)
@@ -73,11 +84,22 @@ def train(
         learner.error = exc
         if started is not None:
             started.set()
+        if start is not None:
+            start.abort()  # the others stop waiting for this learner
 
 
 def run_learners(
-    learners: list[Learner], mailbox: gm.Mailbox, algorithm: gm.DiLoCo, **options: Any
+    learners: list[Learner],
+    mailbox: gm.Mailbox,
+    algorithm: gm.DiLoCo,
+    *,
+    together: bool = False,
+    **options: Any,
 ) -> None:
+    """Train each learner on a thread of its own; ``together``: all start training once
+    every one has joined (a start barrier)."""
+    if together:
+        options["start"] = threading.Barrier(len(learners))
     threads = [
         threading.Thread(target=train, args=(learner, mailbox, algorithm), kwargs=options)
         for learner in learners
@@ -111,6 +133,18 @@ def failures(learner: Learner, kinds: tuple[type, ...] = ()) -> list[Any]:
     assert learner.session is not None
     wanted = kinds or (gm.events.PollFailed, gm.events.PublishFailed, gm.events.RoundFailed)
     return [e for e in learner.session.events if isinstance(e, wanted)]
+
+
+def sync_points(algorithm: gm.DiLoCo, steps: int) -> dict[int, int]:
+    """Fragment -> the sync points a learner of ``steps`` steps reaches on the plain schedule
+    (phase 0): one per due step, and one at close() for a fragment with steps after its
+    last one."""
+    due: dict[int, list[int]] = {f: [] for f in range(algorithm.fragments)}
+    for step in range(1, steps + 1):
+        fragment = algorithm.due_fragment(step)
+        if fragment is not None:
+            due[fragment].append(step)
+    return {f: len(at) + (max(at, default=0) < steps) for f, at in due.items()}
 
 
 def wait_rounds(mailbox: gm.Mailbox, count: int, wait: Callable[..., Any]) -> None:
