@@ -141,7 +141,7 @@ def accumulate(acc: torch.Tensor, piece: torch.Tensor, weight: float, first: int
         target.add_(piece.reshape(-1), alpha=weight)
         return
     with LEDGER.holding(COMBINE, piece.numel() * 4):  # the float32 conversion of the piece
-        target.add_(piece.reshape(-1).to(torch.float32), alpha=weight)
+        target.add_(piece.reshape(-1).to(dtype=torch.float32), alpha=weight)
 
 
 def weighted_sum(

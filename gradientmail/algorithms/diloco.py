@@ -182,18 +182,21 @@ class DiLoCo:
         new_momentum: dict[str, torch.Tensor] = {}
         lr, mu = self.outer_lr, self.outer_momentum
         for name, global_value in base.items():
-            g = global_value.to(torch.float32)  # a view when already float32
+            # dtype= by keyword, here and in the payload code: torch's positional overload
+            # parsing leaves small Python blocks behind that wander with thread timing
+            # (tests/test_memory.py reads them as growth).
+            g = global_value.to(dtype=torch.float32)  # itself when already float32
             acc = mean[name]
             m_out = None if state_out is None else state_out[name]
             if name in buffers:  # statistics: the average (or the closer's), no outer step
-                new_params[name] = acc.to(global_value.dtype)
+                new_params[name] = acc.to(dtype=global_value.dtype)
                 new_momentum[name] = torch.zeros_like(g) if m_out is None else m_out.zero_()
                 continue
             # delta = g − avg;  m = μ·m_old + delta
             if momentum is None:  # the first round: momentum starts at zero
                 m = torch.sub(g, acc) if m_out is None else torch.sub(g, acc, out=m_out)
             else:
-                old = momentum[name].to(torch.float32)
+                old = momentum[name].to(dtype=torch.float32)
                 m = old.mul(mu) if m_out is None else torch.mul(old, mu, out=m_out)
                 m.add_(g).sub_(acc)
             if self.nesterov:
@@ -201,7 +204,7 @@ class DiLoCo:
                 acc.mul_(lr).add_(g, alpha=1 - lr).add_(m, alpha=-lr * mu)
             else:
                 acc.copy_(g).add_(m, alpha=-lr)  # g − lr·m
-            new_params[name] = acc.to(global_value.dtype)
+            new_params[name] = acc.to(dtype=global_value.dtype)
             new_momentum[name] = m
         return new_params, new_momentum
 

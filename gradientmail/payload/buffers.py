@@ -64,7 +64,7 @@ def _carve(
     for name, shape, dtype, offset in entries:
         count = shape.numel()
         size = count * torch.empty(0, dtype=dtype).element_size()
-        views[name] = flat[offset : offset + size].view(dtype).view(shape)
+        views[name] = flat[offset : offset + size].view(dtype=dtype).view(size=shape)
     return views
 
 

@@ -338,7 +338,7 @@ def _allocate(found: Sequence[Entry], purpose: str) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     offset = 0
     for entry, nbytes in zip(found, sizes, strict=True):
-        view = flat[offset : offset + nbytes].view(entry.dtype).view(entry.shape)
+        view = flat[offset : offset + nbytes].view(dtype=entry.dtype).view(size=entry.shape)
         out[entry.name] = view
         offset += -(-nbytes // 64) * 64
     return out

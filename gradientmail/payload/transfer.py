@@ -308,15 +308,15 @@ def _tensors(
     tensors: dict[str, torch.Tensor] = {}
     for name, (dtype, shape, count, begin, end) in layout.items():
         if count == 0:
-            tensors[name] = torch.empty(shape, dtype=dtype)
+            tensors[name] = torch.empty(size=shape, dtype=dtype)
             continue
         pieces = stream.pieces(begin, end)
         if len(pieces) == 1:
             chunk, at, _, _ = pieces[0]
             view = view_of(chunk, dtype, count, at)
-            tensors[name] = view.reshape(shape)
+            tensors[name] = view.reshape(shape=shape)
         else:  # straddles parts: into fresh memory, by torch copies (no GIL held)
-            tensors[name] = torch.empty(shape, dtype=dtype)
+            tensors[name] = torch.empty(size=shape, dtype=dtype)
             stream.copy_into(begin, end, tensors[name])
     return tensors
 
