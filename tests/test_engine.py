@@ -161,10 +161,19 @@ class _Wrapper(gm.Mailbox):
 
 
 class _SlowPuts(_Wrapper):
-    """Every put_if_absent takes ``delay`` seconds: fast steps against a slow store."""
+    """Every put_if_absent takes ``delay`` seconds: fast steps against a slow store. While
+    ``released`` is clear, puts do not go through at all (bounded by a minute)."""
 
     def __init__(self, inner: gm.Mailbox, delay: float) -> None:
-        super().__init__(SlowMailbox(inner, {"put_if_absent": delay}))
+        self.released = threading.Event()
+        self.released.set()
+
+        async def sleep(seconds: float) -> None:
+            if not self.released.is_set():
+                await asyncio.to_thread(self.released.wait, 60)
+            await asyncio.sleep(seconds)
+
+        super().__init__(SlowMailbox(inner, {"put_if_absent": delay}, sleep=sleep))
 
 
 @pytest.mark.parametrize("overlap", [0, 3])
@@ -176,10 +185,23 @@ def test_fast_steps_against_a_slow_store_never_skip_a_sync_point(overlap: int) -
         model, algorithm=algorithm, mailbox=box, learner_id="a", overlap=overlap, **FAST
     )  # type: ignore[arg-type]
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    # The first round's puts wait until training waits for it, so the store is slower than
+    # the steps at least once, whatever the machine's load (a watcher thread lets them go).
+    box.released.clear()
+
+    def release_once_training_waits() -> None:
+        try:
+            wait_until(lambda: session._waiting_since is not None, "training to wait")
+        finally:
+            box.released.set()
+
+    watcher = threading.Thread(target=release_once_training_waits)
+    watcher.start()
     for step in range(1, 61):  # microseconds per step; each round takes tens of ms
         _train_step(model, opt, 0, step)
         session.step(samples=8)
     session.close()
+    watcher.join(timeout=60)
     c = session.counters()
     assert not [e for e in session.events if isinstance(e, SyncSkipped)]
     assert c.sync_points == 12

@@ -610,8 +610,8 @@ def test_node_processes_share_a_file_mailbox(shared_dir: str, tmp_path: Path) ->
 def test_a_killed_node_s_units_are_finished_by_the_others(shared_dir: str, tmp_path: Path) -> None:
     names = ["victim", "s1", "s2"]
     units = _units(30)
-    # Long enough that a live survivor's beats never lag a whole lease on a loaded machine
-    # (the other would take its unit over, and load it twice).
+    # Long enough that a live survivor's beats seldom lag a whole lease on a loaded machine
+    # (the checks below allow it: the other takes its unit over and loads it again).
     lease = 3.0
     logs = {name: tmp_path / f"{name}.jsonl" for name in names}
     procs = {
@@ -644,11 +644,15 @@ def test_a_killed_node_s_units_are_finished_by_the_others(shared_dir: str, tmp_p
         entries = _log(logs[name])
         survivor_loads.update(str(e["unit"]) for e in entries if e["event"] == "load")
         reclaimed += entries[-1]["reclaimed"]  # type: ignore[operator]
-    # Every unit the victim did not finish was loaded exactly once by a survivor, after
-    # being re-claimed; nothing the victim finished was loaded again.
-    assert survivor_loads == Counter(set(units) - by_victim)
-    assert sorted(reclaimed) == sorted(abandoned)
-    assert {key.split("/")[1] for key in _keys(box, RECLAIMS)} == abandoned
+    # Every unit the victim did not finish was loaded by a survivor, and the ones it held
+    # only after being re-claimed; nothing the victim finished was loaded again. A unit
+    # loaded twice must have been re-claimed: on a loaded machine a live survivor's beats
+    # can lag a whole lease, and then the other takes its unit over (at least once, never
+    # lost); the run's reclaim keys and the survivors' own reports name the same units.
+    assert set(survivor_loads) == set(units) - by_victim
+    reclaim_keys = {key.split("/")[1] for key in _keys(box, RECLAIMS)}
+    assert abandoned <= set(reclaimed) == reclaim_keys
+    assert {unit for unit, n in survivor_loads.items() if n > 1} <= reclaim_keys
     for unit in abandoned:
-        assert done[unit]["attempt"] == 1
+        assert int(done[unit]["attempt"]) >= 1  # type: ignore[call-overload]
         assert done[unit]["learner"] in survivors
