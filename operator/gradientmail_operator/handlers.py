@@ -229,18 +229,23 @@ def _live(status: kopf.Status, **_: Any) -> bool:
     return not (_terminal(dict(status)) and status.get("statusFinal"))
 
 
-async def _pause(state: RunState, stopped: kopf.DaemonStopped, seconds: float) -> None:
-    """Sleep until woken, stopped, or ``seconds`` pass."""
+async def _sleep(event: asyncio.Event, stopped: kopf.DaemonStopped, seconds: float) -> None:
+    """Sleep until ``event`` is set, the daemon is stopped, or ``seconds`` pass."""
 
     async def until_stopped() -> None:
         await stopped.wait()
 
-    tasks = {asyncio.ensure_future(state.wake.wait()), asyncio.ensure_future(until_stopped())}
+    tasks = {asyncio.ensure_future(event.wait()), asyncio.ensure_future(until_stopped())}
     try:
         await asyncio.wait(tasks, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
     finally:
         for task in tasks:
             task.cancel()
+
+
+async def _pause(state: RunState, stopped: kopf.DaemonStopped, seconds: float) -> None:
+    """Sleep until woken, stopped, or ``seconds`` pass; the wake is consumed."""
+    await _sleep(state.wake, stopped, seconds)
     state.wake.clear()
 
 
@@ -321,22 +326,8 @@ async def run_status_loop(body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any
             state.wake.set()
             return
         state.wake.set()
-        await _wait_for_final(state, stopped, STATUS_INTERVAL)
-
-
-async def _wait_for_final(state: RunState, stopped: kopf.DaemonStopped, seconds: float) -> None:
-    async def until_stopped() -> None:
-        await stopped.wait()
-
-    tasks = {
-        asyncio.ensure_future(state.final_requested.wait()),
-        asyncio.ensure_future(until_stopped()),
-    }
-    try:
-        await asyncio.wait(tasks, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in tasks:
-            task.cancel()
+        # The next poll comes early when the pods' loop asks for the final one.
+        await _sleep(state.final_requested, stopped, STATUS_INTERVAL)
 
 
 # -- deletion --------------------------------------------------------------------------------

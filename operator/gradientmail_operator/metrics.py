@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import (
@@ -94,6 +94,9 @@ def _number(value: Any) -> float | None:
     return number if math.isfinite(number) else None
 
 
+T = TypeVar("T")
+
+
 @dataclass(frozen=True)
 class _Snapshot:
     values: dict[str, float]
@@ -102,24 +105,32 @@ class _Snapshot:
     last_commit: float | None  # Unix time of the newest commit
 
 
-class _RunCollector:
-    """The per-run gauges, built from the newest snapshot of each run at every scrape."""
+class _PerRun(Generic[T]):
+    """The newest value of each run, keyed by (namespace, name); a scrape reads them all
+    (a collector's ``collect`` runs on the metrics server's thread, the puts on kopf's)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._runs: dict[tuple[str, str], _Snapshot] = {}
+        self._values: dict[tuple[str, str], T] = {}
 
-    def put(self, key: tuple[str, str], snapshot: _Snapshot) -> None:
+    def put(self, key: tuple[str, str], value: T) -> None:
         with self._lock:
-            self._runs[key] = snapshot
+            self._values[key] = value
 
     def drop(self, key: tuple[str, str]) -> None:
         with self._lock:
-            self._runs.pop(key, None)
+            self._values.pop(key, None)
+
+    def items(self) -> list[tuple[tuple[str, str], T]]:
+        with self._lock:
+            return sorted(self._values.items(), key=lambda item: item[0])
+
+
+class _RunCollector(_PerRun[_Snapshot]):
+    """The per-run gauges, built from the newest snapshot of each run at every scrape."""
 
     def collect(self) -> Iterator[Metric]:
-        with self._lock:
-            runs = sorted(self._runs.items())
+        runs = self.items()
         for name, key, text in _GAUGES:
             family = GaugeMetricFamily(name, text, labels=RUN_LABELS)
             for labels, snap in runs:
@@ -184,24 +195,11 @@ POLL_SECONDS = Histogram(
 )
 
 
-class _PollCollector:
-    """Each run's newest mailbox poll: its duration, and when it ended."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._polls: dict[tuple[str, str], tuple[str, float, float]] = {}
-
-    def put(self, key: tuple[str, str], outcome: str, seconds: float, at: float) -> None:
-        with self._lock:
-            self._polls[key] = (outcome, seconds, at)
-
-    def drop(self, key: tuple[str, str]) -> None:
-        with self._lock:
-            self._polls.pop(key, None)
+class _PollCollector(_PerRun[tuple[str, float, float]]):
+    """Each run's newest mailbox poll: (outcome, its duration, when it ended)."""
 
     def collect(self) -> Iterator[Metric]:
-        with self._lock:
-            polls = sorted(self._polls.items())
+        polls = self.items()
         duration = GaugeMetricFamily(
             "gradientmail_run_last_poll_duration_seconds",
             "Duration of the run's newest mailbox poll, labelled with its outcome.",
@@ -264,7 +262,7 @@ def poll_done(namespace: str, name: str, outcome: str, seconds: float) -> None:
     (``ok``, ``unreachable``, ``error``, …), never a message: each one is a series."""
     MAILBOX_POLLS.labels(outcome=outcome).inc()
     POLL_SECONDS.observe(seconds)
-    _POLLS.put((namespace, name), outcome, seconds, time.time())
+    _POLLS.put((namespace, name), (outcome, seconds, time.time()))
 
 
 def port_from_env(environ: Mapping[str, str] | None = None) -> int:

@@ -259,8 +259,9 @@ def _changes(status: Mapping[str, Any], desired: dict[str, Any]) -> dict[str, An
 
 def _terminal_reason(conditions: list[dict[str, Any]], phase: Phase) -> tuple[Reason, str]:
     kind = "Complete" if phase == Phase.SUCCEEDED else "Failed"
+    known = {reason.value for reason in Reason}
     for condition in conditions:
-        if condition.get("type") == kind and condition.get("reason") in Reason._value2member_map_:
+        if condition.get("type") == kind and condition.get("reason") in known:
             return Reason(condition["reason"]), str(condition.get("message", ""))
     if phase == Phase.SUCCEEDED:
         return Reason.ALL_NODES_SUCCEEDED, "every node finished"
