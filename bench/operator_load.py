@@ -226,17 +226,24 @@ def measure_scale(opts: Options, n: int, workdir: Path) -> Measured:
             phases = _phases(setup.api)
             return len(phases) == n and all(p == "Running" for p in phases.values())
 
-        _until(f"{label}: every run Running", all_running, budget, setup, every=2.0)
-        result.setup_s = time.monotonic() - t0
-        h.progress(f"{label}: every run Running after {result.setup_s:.0f} s; warm-up")
-        time.sleep(opts.warmup)
-        result.start = _transition(setup, t0, n)
-        result.running, extra = _window(setup, f"{label} running", opts.minutes * 60, n)
-        result.cpu["running operator"], result.cpu["running server"] = (
-            extra["operator"],
-            extra["server"],
-        )
-        result.s3["running"] = extra["s3"]
+        def stage(
+            phase: str, settled: Callable[[], bool], t: float
+        ) -> tuple[float, Window, Window]:
+            """Wait until every run is in ``phase``; the seconds that took, the requests
+            of the transition, and those of a steady window after a warm-up."""
+            _until(f"{label}: every run {phase}", settled, budget, setup, every=2.0)
+            seconds = time.monotonic() - t
+            h.progress(f"{label}: every run {phase} after {seconds:.0f} s; warm-up")
+            time.sleep(opts.warmup)
+            transition = _transition(setup, t, n)
+            word = "running" if phase == "Running" else "finished"
+            window, extra = _window(setup, f"{label} {word}", opts.minutes * 60, n)
+            result.cpu[f"{word} operator"] = extra["operator"]
+            result.cpu[f"{word} server"] = extra["server"]
+            result.s3[word] = extra["s3"]
+            return seconds, transition, window
+
+        result.setup_s, result.start, result.running = stage("Running", all_running, t0)
 
         t1 = time.monotonic()
         _mark_pods(setup.api, "Succeeded", only_pending=False)
@@ -245,17 +252,7 @@ def measure_scale(opts: Options, n: int, workdir: Path) -> Measured:
             phases = _phases(setup.api)
             return all(p == "Succeeded" for p in phases.values())
 
-        _until(f"{label}: every run Succeeded", all_succeeded, budget, setup, every=2.0)
-        result.finish_s = time.monotonic() - t1
-        h.progress(f"{label}: every run Succeeded after {result.finish_s:.0f} s; warm-up")
-        time.sleep(opts.warmup)
-        result.finish = _transition(setup, t1, n)
-        result.finished, extra = _window(setup, f"{label} finished", opts.minutes * 60, n)
-        result.cpu["finished operator"], result.cpu["finished server"] = (
-            extra["operator"],
-            extra["server"],
-        )
-        result.s3["finished"] = extra["s3"]
+        result.finish_s, result.finish, result.finished = stage("Succeeded", all_succeeded, t1)
         h.progress(f"{label}: stopping kopf and the API server")
         _dump(setup, workdir / "requests.tsv")
     return result
