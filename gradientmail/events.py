@@ -19,6 +19,9 @@ __all__ = [
     "PollFailed",
     "PublishFailed",
     "Published",
+    "ResumeFailed",
+    "ResumeSaved",
+    "Resumed",
     "RoundFailed",
     "SyncSkipped",
     "SyncWaited",
@@ -107,6 +110,38 @@ class PublishFailed(Event):
 class RoundFailed(Event):
     round: int
     error: str
+
+
+@dataclass(frozen=True)
+class Resumed(Event):
+    """A restarted learner (``Session(optimizer=...)``) loaded its optimizer's state and its
+    counters from its newest save ``key``, before its first step: its step count continues
+    from ``step`` (and ``samples``); ``rounds`` are the commits it had applied when it saved
+    (the model holds the run's newest, loaded at join)."""
+
+    key: str
+    step: int
+    samples: int
+    rounds: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ResumeFailed(Event):
+    """The newest save ``key`` could not be read (corrupt, missing, malformed): the learner
+    starts with a fresh optimizer and counts from 0, as on a first start."""
+
+    key: str
+    error: str
+
+
+@dataclass(frozen=True)
+class ResumeSaved(Event):
+    """The optimizer's state and the counters at ``step`` are stored as ``key`` (a payload
+    of ``nbytes`` bytes); older saves of this learner are swept."""
+
+    key: str
+    step: int
+    nbytes: int
 
 
 @dataclass

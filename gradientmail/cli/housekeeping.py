@@ -121,12 +121,13 @@ async def plan_sweep(box: Mailbox, url: str, keep_rounds: int, orphans: bool) ->
     """What to delete (reads only)."""
     manifest = await require_manifest(box, url)
     fragments = manifest.num_fragments
-    round_keys, snapshot_keys, claim_keys, beat_keys, blob_keys = await asyncio.gather(
+    round_keys, snapshot_keys, claim_keys, beat_keys, blob_keys, resume_keys = await asyncio.gather(
         box.list(p.ROUNDS),
         box.list(p.SNAPSHOTS),
         box.list(p.CLAIMS),
         box.list(p.LEASES),
         box.list(p.BLOBS),
+        box.list(p.RESUME),
     )
     newest: dict[int, int] = {}
     for key in round_keys:
@@ -146,9 +147,19 @@ async def plan_sweep(box: Mailbox, url: str, keep_rounds: int, orphans: bool) ->
         snapshots[key] = old(r)
     claim_rounds = {k: p.claim_round(k) for k in claim_keys}
     claims = [k for k, cr in claim_rounds.items() if cr is not None and old(cr)]
-    records = await _read(box, [*round_keys, *snapshots])
+    records = await _read(box, [*round_keys, *snapshots, *resume_keys])
     # The frozen parameters travel once, with the manifest: never old.
     kept: set[str] = {manifest.frozen_payload} if manifest.frozen_payload else set()
+    # A learner's resume saves are its own to sweep (Session keeps the newest); their
+    # payloads are named by no round or snapshot, so --orphans must not take them.
+    for key in resume_keys:
+        data = records[key]
+        if data is None:
+            continue
+        try:
+            kept.add(p.decode_resume(key, data).payload)
+        except ProtocolError:
+            continue  # unreadable: a restart of that learner starts fresh anyway
     candidates: set[str] = set()
     for key in round_keys:
         data = records[key]

@@ -17,6 +17,11 @@ older commit when the newest cannot be read, a run written before totals existed
 counts its status from every record, and ``gradientmail sweep`` keeps them as the run's
 history. Sweeping them would be a protocol change of its own (decided against here), not
 a side effect of the counters.
+
+A learner's resume saves (``resume/{learner}/{save}``, ``Session(optimizer=...)``) are swept
+by the learner itself, right after it wrote a newer one (:func:`sweep_resume`): only the
+newest is ever read, so the older records and their payloads go. Their payloads are the
+learner's alone (each holds its record's key, so no other record names the same bytes).
 """
 
 from __future__ import annotations
@@ -30,9 +35,11 @@ from gradientmail import wire as p
 from gradientmail.coord.retry import retrying
 from gradientmail.errors import ProtocolError
 from gradientmail.mailbox import Mailbox
+from gradientmail.wire.keys import parse_resume_key, resume_prefix
 from gradientmail.wire.parts import blob_keys
+from gradientmail.wire.resume import decode_resume
 
-__all__ = ["SWEEP_ROUNDS", "named_payloads", "sweep_after"]
+__all__ = ["SWEEP_ROUNDS", "named_payloads", "sweep_after", "sweep_resume"]
 
 _log = logging.getLogger("gradientmail")
 
@@ -101,3 +108,35 @@ async def sweep_after(
     # Claims last: a round that still has claims may still have other objects to sweep.
     await retrying(partial(box.delete, sorted(k for x in rounds for k in claims.get(x, []))))
     return old
+
+
+async def sweep_resume(box: Mailbox, newest: str, payload: str) -> list[str]:
+    """Delete ``newest``'s learner's older resume saves: their payloads (parts included)
+    first, then their records, so an interrupted sweep leaves records that the next one
+    finds, never payloads that no record names. ``payload``: what ``newest`` names (its
+    blobs are spared, should an older record name the same bytes). Idempotent; returns the
+    keys deleted. Only saves numbered below ``newest`` go: a later one (written meanwhile)
+    stays."""
+    learner, save = parse_resume_key(newest)
+    older = []
+    for key in await retrying(partial(box.list, resume_prefix(learner))):
+        with contextlib.suppress(ProtocolError):  # a stray key under the prefix stays
+            if parse_resume_key(key)[1] < save:
+                older.append(key)
+    if not older:
+        return []
+    records = await asyncio.gather(*(retrying(partial(box.get, key)) for key in older))
+    payloads = set()
+    for key, data in zip(older, records, strict=True):
+        if data is None:
+            continue
+        try:
+            payloads.add(decode_resume(key, data).payload)
+        except ProtocolError as exc:  # the record goes all the same; its payload cannot
+            _log.warning("sweep: %s is unreadable; its payload stays (%s)", key, exc)
+    doomed = await retrying(partial(blob_keys, box, payloads))
+    spared = await retrying(partial(blob_keys, box, {payload}))
+    blobs = sorted(doomed - spared)
+    await retrying(partial(box.delete, blobs))
+    await retrying(partial(box.delete, older))
+    return [*blobs, *older]

@@ -7,6 +7,9 @@
 - ``_background.py``: the communication thread (publish, lease, close) and the syncer
   (poll, download, stage), mixed into the Session;
 - ``_state.py``: the records handed between threads and the small pure rules of the loops;
+- ``_resume.py``: resume saves (``optimizer=``), mixed into the Session: the optimizer's
+  state and the counters stored every few sync points and loaded when the learner restarts;
+  ``_optstate.py``: an optimizer's ``state_dict()`` as tagged JSON and tensors (no pickle);
 - ``_align.py``: :func:`align`, the newest commits into a model without joining.
 """
 

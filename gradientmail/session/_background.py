@@ -19,8 +19,9 @@ import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -71,6 +72,9 @@ class _Background:
     _fragments: int
     events: deque[Event]
     _on_event: Callable[[Event], None] | None
+    _optimizer: torch.optim.Optimizer | None
+    _resume_uploads: Callable[[], Coroutine[Any, Any, None]]  # the Session's (_resume.py)
+    _wake_save: Wake
 
     def _thread_main(self, loop: Callable[[], object]) -> None:
         async def main() -> None:
@@ -109,12 +113,19 @@ class _Background:
                 wake=self._wake_beat,
             )
         )
+        # Resume saves too (Session(optimizer=...)): a large upload of the optimizer's state
+        # must not hold back a contribution. Not cancelled when stopped: a save in progress
+        # finishes (or gives up at its first failure), so no payload is left unnamed.
+        saves = None if self._optimizer is None else asyncio.create_task(self._resume_uploads())
         try:
             await self._communicate_loop()
         finally:
             beats.cancel()
             with contextlib.suppress(asyncio.CancelledError, Stopped):
                 await beats
+            if saves is not None:
+                self._wake_save.set()  # its idle wait ends at once
+                await saves
 
     async def _communicate_loop(self) -> None:
         next_check = 0.0

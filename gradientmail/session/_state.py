@@ -23,6 +23,8 @@ from gradientmail.events import (
     Left,
     PollFailed,
     PublishFailed,
+    Resumed,
+    ResumeFailed,
     RoundFailed,
     SyncSkipped,
     SyncWaited,
@@ -85,9 +87,21 @@ class _Staged:
 
 def _log_event(event: Event) -> None:
     """Every event to the ``gradientmail`` logger: failures at WARNING (with the cause),
-    joins, leaves and waits that gave up at INFO, the rest at DEBUG."""
+    joins, leaves, resumes and waits that gave up at INFO, the rest at DEBUG."""
     if isinstance(event, PollFailed | PublishFailed | RoundFailed):
         _log.warning("%s: %s", event.learner, event)
+    elif isinstance(event, ResumeFailed):
+        _log.warning("%s: could not resume from %s (%s)", event.learner, event.key, event.error)
+    elif isinstance(event, Resumed):
+        _log.info(
+            "%s: resumed from %s: optimizer state and counters at step %d (%d samples), "
+            "saved with rounds %s applied",
+            event.learner,
+            event.key,
+            event.step,
+            event.samples,
+            list(event.rounds),
+        )
     elif isinstance(event, SyncWaited) and event.timed_out:
         _log.warning(
             "%s: waited %.1f s for round %d (fragment %d) and gave up; training goes on",

@@ -57,6 +57,7 @@ from gradientmail.mailbox.metered import Metered
 from gradientmail.payload._malloc import share_arenas
 from gradientmail.payload.buffers import BufferPool
 from gradientmail.session._background import _Background
+from gradientmail.session._resume import _Resuming
 from gradientmail.session._state import _default_learner_id, _Pending, _Staged
 from gradientmail.session._training import _NEVER, _TrainingSide
 
@@ -65,7 +66,7 @@ __all__ = ["Session"]
 _log = logging.getLogger("gradientmail")
 
 
-class Session(_TrainingSide, _Background):
+class Session(_TrainingSide, _Background, _Resuming):
     """Join a run as ``learner_id`` and train ``model`` in it.
 
     ``overlap``: how many local steps a contribution's commit may be applied late (0: exact
@@ -83,6 +84,11 @@ class Session(_TrainingSide, _Background):
     ``wait_timeout`` seconds (default: ``round_timeout`` plus three lease periods, time for a
     closer to fail over).
     ``on_event`` is called on background threads.
+
+    ``optimizer``: the training's optimizer, to resume it when this learner restarts: its
+    state and this learner's counters are stored in the mailbox every ``optimizer_every``
+    of its sync points (default: 10 per fragment) and at ``close()``, and a Session with the
+    same ``learner_id`` loads the newest before its first step (``session/_resume.py``).
 
     A learner id is one process at a time: when another process is beating as
     ``learner_id`` (its newest beat advances while this one watches), the constructor raises
@@ -114,6 +120,8 @@ class Session(_TrainingSide, _Background):
         claim_timeout: float | None = None,
         keep_rounds: int = 2,
         on_event: Callable[[Event], None] | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        optimizer_every: int | None = None,
     ) -> None:
         # Everything is validated before anything is written.
         if not isinstance(algorithm, Algorithm):
@@ -160,6 +168,7 @@ class Session(_TrainingSide, _Background):
         self.model = model
         self._layout = ModelLayout(model, algorithm)
         self._fragments = self._layout.count
+        self._setup_resume(optimizer, optimizer_every, model)
         self.overlap = overlap
         self.mixing = None if mixing is None else float(mixing)
         self.free_running = free_running
@@ -199,6 +208,7 @@ class Session(_TrainingSide, _Background):
 
         # Training-thread state (the lock guards what the background threads also touch).
         self._steps = 0
+        self._start_step = 0  # the step count this life starts from (a resume's, or 0)
         self._samples = 0
         # Samples counted when each fragment last contributed (the next one carries the rest).
         self._counted = [0] * self._fragments
@@ -261,10 +271,12 @@ class Session(_TrainingSide, _Background):
             raise RuntimeError("step() on a closed Session")
         if self._staged:
             self._apply_staged()
-        if not self._steps:
+        if self._steps == self._start_step:
             # The first step: commits that landed since the join are applied now; start
-            # the schedule from them (see _schedule_phase).
-            self._phase = self._schedule_phase(dict(enumerate(self._applied)))
+            # the schedule from them (see _schedule_phase), whatever count a resume
+            # continues from.
+            phase = self._schedule_phase(dict(enumerate(self._applied)))
+            self._phase = (phase - self._start_step) % self.algorithm.sync_every
         self._steps += 1
         self._samples += samples
         if self._steps >= self._wait_at:
@@ -273,6 +285,8 @@ class Session(_TrainingSide, _Background):
         if fragment is None:
             return
         self._sync_point(fragment)
+        if self._optimizer is not None:
+            self._resume_point()
 
     def sync(self, timeout: float | None = None) -> tuple[int, ...]:
         """Contribute every fragment's steps since its last contribution now, and wait
@@ -306,6 +320,7 @@ class Session(_TrainingSide, _Background):
             self._stop.set()
             for thread in self._threads:
                 thread.join(timeout=60)
+        self._save_at_close()
         self._leave()
         self._emit(Left(self.learner_id, clean=not waiting))
         if waiting:
@@ -375,6 +390,10 @@ class Session(_TrainingSide, _Background):
             timeout,
             lease_timeout=self._tracker.lease_timeout,
         )
+        # A restarted learner's optimizer state and counters (Session(optimizer=...)): before
+        # its first beat, which carries the counts; a mismatched optimizer raises before
+        # this learner ever looks live.
+        await self._restore(deadline)
         # Live first, then load: from its first beat the others wait for this learner in
         # their rounds, so few commits can land between the load below and its first
         # contribution (which goes to the round the others are in: the schedule's phase

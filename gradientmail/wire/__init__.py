@@ -4,6 +4,7 @@
 - ``records.py``: the records as frozen dataclasses and their JSON shapes (``TypedDict``).
 - ``decode.py``: bytes -> records, every field validated (``ProtocolError`` naming the key).
 - ``parts.py``: the index of a payload stored in parts, and the blobs a payload occupies.
+- ``resume.py``: a learner's resume save (``Session(optimizer=...)``) and its decoder.
 
 Everything in ``keys`` and ``records`` is re-exported here; the library reads it as
 ``from gradientmail import wire as p`` (``p.round_key(r)``, ``p.decode_commit(key, data)``).
@@ -26,6 +27,7 @@ from gradientmail.wire.keys import (
     LEAVING_BEAT,
     MANIFEST,
     PARTS_SUFFIX,
+    RESUME,
     ROUNDS,
     SNAPSHOTS,
     beat_key,
@@ -41,9 +43,12 @@ from gradientmail.wire.keys import (
     parse_beat_key,
     parse_claim_attempt,
     parse_creator_attempt,
+    parse_resume_key,
     parse_round_key,
     parse_snapshot_key,
     parts_key,
+    resume_key,
+    resume_prefix,
     round_key,
     snapshot_key,
     snapshots_prefix,
@@ -72,6 +77,7 @@ from gradientmail.wire.records import (
     TensorSpecWire,
     encode,
 )
+from gradientmail.wire.resume import ResumeState, ResumeStateWire, decode_resume
 
 __all__ = [
     "BLOBS",
@@ -85,6 +91,7 @@ __all__ = [
     "MANIFEST",
     "PARAM",
     "PARTS_SUFFIX",
+    "RESUME",
     "ROUNDS",
     "SNAPSHOTS",
     "TENSOR_KINDS",
@@ -101,6 +108,8 @@ __all__ = [
     "ExclusionWire",
     "Manifest",
     "ManifestWire",
+    "ResumeState",
+    "ResumeStateWire",
     "Snapshot",
     "SnapshotWire",
     "TensorSpec",
@@ -118,6 +127,7 @@ __all__ = [
     "decode_commit",
     "decode_creator",
     "decode_manifest",
+    "decode_resume",
     "decode_snapshot",
     "encode",
     "is_parts_key",
@@ -125,9 +135,12 @@ __all__ = [
     "parse_beat_key",
     "parse_claim_attempt",
     "parse_creator_attempt",
+    "parse_resume_key",
     "parse_round_key",
     "parse_snapshot_key",
     "parts_key",
+    "resume_key",
+    "resume_prefix",
     "round_key",
     "snapshot_key",
     "snapshots_prefix",

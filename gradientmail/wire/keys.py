@@ -13,6 +13,8 @@ key                                 written by      holds
 ``snapshots/{r:010d}/{learner}``    learner         Snapshot: a contribution to round r
 ``claims/{r:010d}/{attempt:04d}``   closer          Claim: elects round r's closer
 ``leases/{learner}/{beat:010d}``    learner         Beat: heartbeat; newest key wins
+``resume/{learner}/{save:010d}``    learner         ResumeState: its optimizer state and
+                                                    counters (``Session(optimizer=...)``)
 ``blobs/{sha256}``                  anyone          safetensors bytes named by their hash
 ``blobs/{sha256}.parts``            anyone          index of a payload stored in parts
 ``barriers/{name}/{learner}``       Barrier         arrival (patterns)
@@ -42,6 +44,7 @@ SNAPSHOTS = "snapshots/"
 CLAIMS = "claims/"
 LEASES = "leases/"
 BLOBS = "blobs/"
+RESUME = "resume/"
 
 _ROUND_WIDTH = 10
 _ATTEMPT_WIDTH = 4
@@ -165,6 +168,37 @@ def parse_snapshot_key(key: str) -> tuple[int, str]:
     ):
         raise ProtocolError(f"{key!r} is not a snapshot key")
     return int(parts[1]), parts[2]
+
+
+def resume_prefix(learner: str) -> str:
+    """Where ``learner`` keeps what a restart of it resumes from (``Session(optimizer=...)``):
+    one record per save, numbered from 0 in the order they were taken. Only the learner
+    itself writes here, and its newest save is the one a restart reads; older ones are
+    swept once a newer one is written (``coord/sweep.py``)."""
+    return f"{RESUME}{learner}/"
+
+
+def resume_key(learner: str, save: int) -> str:
+    """The record of ``learner``'s save number ``save``: fixed width, so the newest save is
+    the greatest key (a listing's last), and a crashed life's saves sort before the next
+    life's (a restart numbers on from the newest it finds)."""
+    if save < 0 or save >= 10**_ROUND_WIDTH:
+        raise ValueError(f"resume save number {save} is out of range")
+    return f"{resume_prefix(learner)}{save:0{_ROUND_WIDTH}d}"
+
+
+def parse_resume_key(key: str) -> tuple[str, int]:
+    """``resume/{learner}/{save}`` → (learner, save)."""
+    parts = key.split("/")
+    if (
+        len(parts) != 3
+        or parts[0] != RESUME.rstrip("/")
+        or len(parts[2]) != _ROUND_WIDTH
+        or not parts[2].isdigit()
+        or not _LEARNER_RE.fullmatch(parts[1])
+    ):
+        raise ProtocolError(f"{key!r} is not a resume key")
+    return parts[1], int(parts[2])
 
 
 # A payload stored as parts: this blob is its index (see payload/transfer.py).
