@@ -1,6 +1,11 @@
 """What every arm of the quality benchmark (``quality.py``) shares: the data, the model, one
 training step, the evaluation, and the arms computed in one process.
 
+The data, the model, the training step and the evaluation live in ``gradientmail._lm``
+(the built-in node trains the same model: ``gradientmail run``'s demo); they are re-exported
+here under the names the benchmark has always used. This module adds the run sizes
+(:class:`Sizes`), the benchmark's data files and the in-process arms.
+
 - **Data**: the Python standard library's own ``.py`` sources (``sysconfig``'s ``stdlib``
   directory, ``site-packages`` left out), files in sorted order, byte-level tokens. Each file
   is cut into blocks of :data:`BLOCK` bytes; every 20th block of the whole sequence is held
@@ -26,69 +31,74 @@ training step, the evaluation, and the arms computed in one process.
 
 from __future__ import annotations
 
-import math
-import sysconfig
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-LEARNERS = 4  # M
-BLOCK = 2048  # bytes per block; every HOLDOUT-th block is validation
-HOLDOUT = 20  # 1 block in 20: 5%
-SEED = 1234
-VOCAB = 256
-
-# Shard 1: tools, GUIs, codec tables and generated data. Shard 0 is the test suite, shard 2
-# every other package (a directory), shard 3 every single-file module. Names a Python version
-# lacks are simply absent.
-_TOOLS = frozenset(
-    {
-        "encodings",
-        "idlelib",
-        "tkinter",
-        "turtledemo",
-        "pydoc_data",
-        "lib2to3",
-        "distutils",
-        "ensurepip",
-        "venv",
-        "curses",
-        "msilib",
-        "__phello__",
-        "turtle.py",
-    }
-)
-SHARD_NAMES = (
-    "test suite (test/)",
-    "tools, GUIs, codec tables (encodings, idlelib, tkinter, pydoc_data, lib2to3, ...)",
-    "other packages (asyncio, email, unittest, xml, ctypes, multiprocessing, ...)",
-    "single-file modules (typing.py, inspect.py, argparse.py, ...)",
+from gradientmail import _lm as _shared
+from gradientmail._lm import (
+    BLOCK,
+    HOLDOUT,
+    SEED,
+    SHARD_NAMES,
+    VOCAB,
+    Batches,
+    Block,
+    Corpus,
+    ModelSize,
+    TinyLM,
+    build_model,
+    evaluate,
+    load_params,
+    lr_at,
+    make_optimizer,
+    param_count,
+    shard_of,
+    stdlib_files,
+    train_step,
 )
 
+__all__ = [
+    "BLOCK",
+    "HOLDOUT",
+    "LEARNERS",
+    "SEED",
+    "SHARD_NAMES",
+    "VOCAB",
+    "ArmResult",
+    "Batches",
+    "Block",
+    "Corpus",
+    "ModelSize",
+    "Sizes",
+    "TinyLM",
+    "build_corpus",
+    "build_model",
+    "evaluate",
+    "fragment_names",
+    "learner_id",
+    "load_data",
+    "load_params",
+    "lr_at",
+    "make_optimizer",
+    "param_count",
+    "run_inprocess",
+    "save_corpus",
+    "shard_of",
+    "stdlib_files",
+    "tail_mean",
+    "train_step",
+]
 
-def shard_of(top: str, is_package: bool) -> int:
-    """The learner whose shard holds the files under the top-level name ``top``."""
-    if top == "test":
-        return 0
-    if top in _TOOLS:
-        return 1
-    return 2 if is_package else 3
+LEARNERS = _shared.SHARDS  # M: one learner per shard
 
 
 # -- sizes -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ModelSize:
-    d_model: int
-    layers: int
-    heads: int
 
 
 @dataclass(frozen=True)
@@ -135,111 +145,13 @@ class Sizes:
 # -- data ------------------------------------------------------------------------------------
 
 
-@dataclass
-class Corpus:
-    shards: list[torch.Tensor]  # uint8, one per learner
-    val: torch.Tensor  # uint8 [eval_windows, context + 1]
-    sources: list[dict[str, Any]]  # per shard: bytes, files, top-level names
-    val_bytes: int
-    train_bytes: int
-    files: int
-    stdlib: str
-    python: str
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "stdlib": self.stdlib,
-            "python": self.python,
-            "files": self.files,
-            "train_bytes": self.train_bytes,
-            "val_bytes": self.val_bytes,
-            "val_fraction": self.val_bytes / max(1, self.val_bytes + self.train_bytes),
-            "eval_windows": int(self.val.shape[0]),
-            "shards": self.sources,
-        }
-
-
-def stdlib_files(root: Path) -> Iterator[tuple[Path, str, bool]]:
-    """``(path, top-level name, is a package)`` of every ``.py`` file, in sorted order."""
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root)
-        top = rel.parts[0]
-        if top in ("site-packages", "dist-packages") or "__pycache__" in rel.parts:
-            continue
-        yield path, top, len(rel.parts) > 1
-
-
 def build_corpus(sizes: Sizes) -> Corpus:
     """Read the stdlib, cut it into blocks, hold out 5%, shard the rest by package."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    pieces: list[list[bytes]] = [[] for _ in range(LEARNERS)]
-    tops: list[dict[str, int]] = [{} for _ in range(LEARNERS)]
-    files = [0] * LEARNERS
-    val_blocks: list[bytes] = []
-    block_no = 0
-    read = [0] * LEARNERS
-    cap = sizes.max_stdlib_bytes
-    for path, top, is_package in stdlib_files(root):
-        shard = shard_of(top, is_package)
-        if cap is not None and read[shard] >= cap:
-            continue
-        try:
-            data = path.read_bytes()
-        except OSError:
-            continue
-        read[shard] += len(data)
-        files[shard] += 1
-        for start in range(0, len(data), BLOCK):
-            block = data[start : start + BLOCK]
-            if block_no % HOLDOUT == HOLDOUT - 1:
-                val_blocks.append(block)
-            else:
-                pieces[shard].append(block)
-                tops[shard][top] = tops[shard].get(top, 0) + len(block)
-            block_no += 1
-    shards = [torch.frombuffer(bytearray(b"".join(p)), dtype=torch.uint8) for p in pieces]
-    for i, data_shard in enumerate(shards):
-        if data_shard.numel() < 4 * (sizes.context + 1):
-            raise RuntimeError(
-                f"shard {i} ({SHARD_NAMES[i]}) holds only {data_shard.numel()} bytes"
-            )
-    # Fixed validation windows: drawn from the held-out blocks long enough to hold one.
-    usable = [b for b in val_blocks if len(b) >= sizes.context + 1]
-    if not usable:
-        raise RuntimeError("no held-out block is long enough for a validation window")
-    g = torch.Generator().manual_seed(sizes.seed + 7)
-    windows = []
-    for _ in range(sizes.eval_windows):
-        block = usable[int(torch.randint(len(usable), (1,), generator=g))]
-        start = int(torch.randint(len(block) - sizes.context, (1,), generator=g))
-        windows.append(block[start : start + sizes.context + 1])
-    val = torch.frombuffer(bytearray(b"".join(windows)), dtype=torch.uint8).view(
-        sizes.eval_windows, sizes.context + 1
-    )
-    sources = []
-    for i in range(LEARNERS):
-        ranked = sorted(tops[i].items(), key=lambda kv: (-kv[1], kv[0]))
-        sources.append(
-            {
-                "learner": i,
-                "what": SHARD_NAMES[i],
-                "bytes": int(shards[i].numel()),
-                "files": files[i],
-                "top_level": [name for name, _ in ranked],
-                "largest": [[name, n] for name, n in ranked[:8]],
-            }
-        )
-    import platform
-
-    return Corpus(
-        shards=shards,
-        val=val,
-        sources=sources,
-        val_bytes=sum(len(b) for b in val_blocks),
-        train_bytes=sum(int(s.numel()) for s in shards),
-        files=sum(files),
-        stdlib=str(root),
-        python=platform.python_version(),
+    return _shared.build_corpus(
+        context=sizes.context,
+        eval_windows=sizes.eval_windows,
+        seed=sizes.seed,
+        max_bytes=sizes.max_stdlib_bytes,
     )
 
 
@@ -250,128 +162,6 @@ def save_corpus(corpus: Corpus, path: Path) -> None:
 def load_data(path: Path) -> tuple[list[torch.Tensor], torch.Tensor]:
     data = torch.load(path, weights_only=True)
     return list(data["shards"]), data["val"]
-
-
-class Batches:
-    """Learner ``learner``'s training windows: ``batch`` random windows per step from its own
-    shard, the same sequence in every arm (a generator seeded by (seed, learner))."""
-
-    def __init__(self, shard: torch.Tensor, learner: int, batch: int, context: int, seed: int):
-        self.shard = shard
-        self.batch = batch
-        self.context = context
-        self.generator = torch.Generator().manual_seed(seed * 1000 + learner)
-        self.offsets = torch.arange(context + 1)
-
-    def next(self) -> torch.Tensor:
-        """``[batch, context + 1]`` int64 tokens."""
-        starts = torch.randint(
-            int(self.shard.numel()) - self.context - 1, (self.batch, 1), generator=self.generator
-        )
-        return self.shard[starts + self.offsets].long()
-
-
-# -- the model -------------------------------------------------------------------------------
-
-
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1 = nn.LayerNorm(d)
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-        self.ln2 = nn.LayerNorm(d)
-        self.fc = nn.Linear(d, 4 * d)
-        self.out = nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        qkv = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-        out: torch.Tensor = x + self.out(F.gelu(self.fc(self.ln2(x))))
-        return out
-
-
-class TinyLM(nn.Module):
-    """A byte-level causal transformer language model."""
-
-    def __init__(self, size: ModelSize, context: int) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(VOCAB, size.d_model)
-        self.pos = nn.Parameter(torch.zeros(context, size.d_model))
-        self.blocks = nn.ModuleList(Block(size.d_model, size.heads) for _ in range(size.layers))
-        self.ln = nn.LayerNorm(size.d_model)
-        self.head = nn.Linear(size.d_model, VOCAB, bias=False)
-        nn.init.normal_(self.pos, std=0.02)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.tok(x) + self.pos[: x.shape[1]]
-        for block in self.blocks:
-            h = block(h)
-        logits: torch.Tensor = self.head(self.ln(h))
-        return logits
-
-
-def build_model(size: ModelSize, context: int, seed: int) -> TinyLM:
-    """The same initial parameters in every process and arm."""
-    torch.manual_seed(seed)
-    return TinyLM(size, context)
-
-
-def param_count(size: ModelSize, context: int) -> int:
-    return sum(p.numel() for p in TinyLM(size, context).parameters())
-
-
-def make_optimizer(model: nn.Module, lr: float) -> torch.optim.AdamW:
-    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
-
-
-def lr_at(step: int, steps: int, lr: float) -> float:
-    """Learning rate of local step ``step`` (1-based) of ``steps``."""
-    warm = max(1, steps // 20)
-    if step <= warm:
-        return lr * step / warm
-    progress = (step - warm) / max(1, steps - warm)
-    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def train_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    tokens: torch.Tensor,
-    lr: float,
-) -> float:
-    """One AdamW step on ``tokens`` ``[batch, context + 1]``; returns the loss."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    logits = model(tokens[:, :-1])
-    loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()  # type: ignore[no-untyped-call]
-    optimizer.step()
-    return float(loss.detach())
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, val: torch.Tensor, chunk: int = 64) -> float:
-    """Mean next-byte cross-entropy (nats) over the validation windows."""
-    was_training = model.training
-    model.eval()
-    total = 0.0
-    count = 0
-    for start in range(0, val.shape[0], chunk):
-        tokens = val[start : start + chunk].long()
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(
-            logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1), reduction="sum"
-        )
-        total += float(loss)
-        count += tokens[:, 1:].numel()
-    model.train(was_training)
-    return total / count
 
 
 def learner_id(i: int) -> str:
@@ -575,11 +365,3 @@ def tail_mean(losses: Sequence[float]) -> float:
 def _save(path: Path | None, params: Mapping[str, torch.Tensor]) -> None:
     if path is not None:
         torch.save(dict(params), path)
-
-
-def load_params(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Copy ``tensors`` (by parameter name) into ``model``."""
-    own = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, value in tensors.items():
-            own[name].copy_(value)

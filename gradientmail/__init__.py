@@ -21,7 +21,8 @@ here (``__all__``); everything else is private to its package. The layers, lowes
 - ``session/``: :class:`Session` (the learner) and :func:`align`.
 - ``patterns/``: :class:`Barrier` and the Shared Queue, on ``coord/``.
 - ``launch/``: the ``GradientMailRun`` model and the node environment; ``node.py`` is the
-  built-in node (``python -m gradientmail.node``).
+  built-in node (``python -m gradientmail.node``), ``_lm.py`` its language model and
+  corpus (shared with ``bench/quality.py``).
 - ``inspect.py``: a read-only view of a run (CLI, operator).
 - ``cli/``: the ``gradientmail`` command; ``testing/``: the mailbox contract suite and fault
   injectors, for users' own tests.

@@ -19,6 +19,7 @@ import time
 from fcntl import ioctl
 from pathlib import Path
 
+import pytest
 import yaml
 
 from gradientmail.cli._nodes import group_alive
@@ -28,6 +29,14 @@ from tests.support.waiting import TEST_TIMEOUT, wait_until
 from tests.test_cli import cli
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Za-z0-9]|\r")
+
+
+@pytest.fixture(autouse=True)
+def _synthetic_task(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The built-in node trains its synthetic task here (seconds, not the language model's
+    minute): these tests are about the processes and the table; ``test_demo_lm.py`` runs
+    the model."""
+    monkeypatch.setenv("GRADIENTMAIL_TASK", "synthetic")
 
 
 def groups_gone(workdir: Path) -> bool:
@@ -109,6 +118,8 @@ spec:
     spec = GradientMailRunSpec.model_validate(yaml.safe_load(spec_file.read_text())["spec"])
     for index in range(3):
         seen = json.loads((workdir / "logs" / f"exp-node-{index}.log").read_text())
+        # The built-in node's own settings (GRADIENTMAIL_TASK) pass through from the caller.
+        assert seen.pop("GRADIENTMAIL_TASK") == "synthetic"
         assert seen == node_env(spec, "exp", index, url).to_environ() | {"TEAM": "vision"}
         # ... which is what the operator puts into the pod, for the same mailbox URL.
         pod = render.pod_manifest(spec, namespace="ns", run="exp", uid="u", index=index, url=url)

@@ -41,6 +41,13 @@ ALGORITHM = gm.DiLoCo(sync_every=10, fragments=2)
 QUICK = ("--sync-every", "10", "--fragments", "2", "--round-timeout", "2")
 
 
+@pytest.fixture(autouse=True)
+def _synthetic_task(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The built-in node trains its synthetic task here (seconds, not the language model's
+    minute): these tests are about runs that collide; ``test_demo_lm.py`` runs the model."""
+    monkeypatch.setenv("GRADIENTMAIL_TASK", "synthetic")
+
+
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
@@ -284,13 +291,15 @@ def test_a_run_that_does_not_match_the_mailbox_is_refused_before_any_node_starts
     assert mine.returncode == 2, mine.stdout + mine.stderr
     assert "algorithm sync_every: run has 10, these nodes have 5" in mine.stderr
     assert not (tmp_path / "mine" / "nodes.json").exists()
-    # The same settings against the finished run (its learners left): it runs again.
+    # The same settings against the finished run (its learners left): it runs again, and
+    # its learner resumes where it stopped (optimizer state and step count), training on.
     again = cli(
-        "run", "--nodes", "1", "--steps", "20", *QUICK, "--mailbox", url,
+        "run", "--nodes", "1", "--steps", "30", *QUICK, "--mailbox", url,
         "--workdir", tmp_path / "again", timeout=180,
     )  # fmt: skip
     assert again.returncode == 0, again.stdout + again.stderr
-    assert "local-node-0: step 20 loss" in again.stdout
+    assert "local-node-0: joined, resumed at step 20, training to step 30" in again.stdout
+    assert "local-node-0: step 30 loss" in again.stdout
 
 
 def test_run_yaml_records_the_command_the_user_typed(tmp_path: Path) -> None:

@@ -72,7 +72,7 @@ def test_builtin_nodes_train_together(tmp_path: Path) -> None:
         procs.append(
             subprocess.Popen(
                 [sys.executable, "-m", "gradientmail.node"],
-                env=base | env.to_environ(),
+                env=base | env.to_environ() | {"GRADIENTMAIL_TASK": "synthetic"},
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,

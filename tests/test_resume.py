@@ -284,9 +284,10 @@ def test_sweeping_orphans_keeps_the_newest_save(mailbox: gm.Mailbox) -> None:
     (key,) = _keys(mailbox, resume_prefix("a"))
     payload = decode_resume(key, _get(mailbox, key)).payload
     plan = asyncio.run(plan_sweep(mailbox, "mailbox", keep_rounds=1, orphans=True))
-    assert p.blob_key(payload) not in plan.keys()
+    doomed = plan.keys()
+    assert p.blob_key(payload) not in doomed
     assert plan.payloads  # the sweep does delete orphans: old rounds' payloads
-    asyncio.run(mailbox.delete(plan.keys()))
+    asyncio.run(mailbox.delete(doomed))
     twin = make_model(seed=3)
     fresh = OPTIMIZERS["adam"](twin)
     with _session(mailbox, twin, fresh) as again:

@@ -3,7 +3,8 @@
 Each node runs in its own session and process group, so the terminal's Ctrl-C reaches only
 ``gradientmail run``, which then stops every group in order (SIGINT, SIGTERM, SIGKILL).
 A reader thread per process copies its output to the node's log and takes the progress
-the built-in node prints (``…: step N loss X …``); the mailbox (beats) tells the rest.
+the built-in node prints (``…: step N loss X …``, and ``val Y``, a validation loss of its
+own model, kept with the time it arrived); the mailbox (beats) tells the rest.
 :class:`Watch` polls the run's mailbox on its own thread.
 """
 
@@ -34,6 +35,7 @@ __all__ = ["Interrupted", "Node", "Runner", "Watch", "group_alive"]
 
 _NUMBER = r"[-+]?(?:\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|nan|inf)"
 STEP_RE = re.compile(rf"\bstep (?P<step>\d+)\b(?:.*?\bloss (?P<loss>{_NUMBER}))?")
+VAL_RE = re.compile(rf"\bval (?P<val>{_NUMBER})")
 TAIL_LINES = 30
 
 
@@ -59,6 +61,7 @@ class Node:
     reader: threading.Thread | None = None
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
     exit_code: int | None = None
+    val_curve: list[tuple[float, float]] = field(default_factory=list)  # (monotonic, loss)
 
     @property
     def learner(self) -> str:
@@ -83,6 +86,9 @@ class Node:
         match = STEP_RE.search(line)
         if match is None:
             return
+        val = VAL_RE.search(line, match.end("step"))
+        if val is not None:
+            self.val_curve.append((time.monotonic(), float(val["val"])))
         self.step = max(self.step, int(match["step"]))
         if self.state == "training" and self.step >= self.env.steps:
             self.state = "finishing"  # leaving the session, waiting for the others

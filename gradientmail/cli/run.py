@@ -12,6 +12,13 @@ The run folder holds ``mailbox/``, ``logs/{learner}.log`` (each node's output),
 ``gradientmail.dev/command`` record the command line typed, ``spec.template.command`` the
 command after ``--``).
 
+With the built-in node's language model (its default task), the table also shows the
+aligned model's validation loss, evaluated here, and a run that succeeds ends with its
+curve beside node 0's, ``curves.json`` and ``loss.png`` in the run folder, and a few lines
+the aligned model writes (:mod:`gradientmail.cli._report`). ``GRADIENTMAIL_TASK`` and
+``GRADIENTMAIL_LM``, the built-in node's own settings, pass from this process's
+environment to the nodes; the contract's variables never do.
+
 A mailbox that already holds a run is checked before any node starts:
 
 - the run's manifest against what the nodes would write (the algorithm settings; the
@@ -65,14 +72,15 @@ from gradientmail.cli._common import (
     store_error,
 )
 from gradientmail.cli._nodes import Interrupted, Node, Runner, Watch
+from gradientmail.cli._report import AlignedEval, Curve, finish, status_line, summary
 from gradientmail.cli.spec import LOCAL_DEFAULTS, LoadedSpec, load_spec
 from gradientmail.cli.table import render_run
 from gradientmail.coord.leases import DEFAULT_LEASE_TIMEOUT, beating
 from gradientmail.errors import MailboxError, ProtocolError
-from gradientmail.inspect import RunView
 from gradientmail.launch.env import NodeEnv
 from gradientmail.launch.runspec import DEFAULT_COMMAND, learner_id, mailbox_url, node_env
 from gradientmail.mailbox import Mailbox
+from gradientmail.node import NODE_SETTINGS, LmSettings, task_of
 
 __all__ = ["add_parser", "run_command"]
 
@@ -162,7 +170,13 @@ def _command(args: argparse.Namespace, loaded: LoadedSpec) -> list[str]:
 
 
 def _base_environ(loaded: LoadedSpec, nodes: int, console: Console) -> dict[str, str]:
-    base = {k: v for k, v in os.environ.items() if not k.startswith("GRADIENTMAIL_")}
+    # The contract's variables come from the spec alone; the built-in node's own settings
+    # (its task and sizes) pass through from here.
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("GRADIENTMAIL_") or k in NODE_SETTINGS
+    }
     for var in loaded.spec.template.env:
         if var.value_from is not None:
             console.print(
@@ -220,7 +234,9 @@ def _builtin(command: Sequence[str]) -> bool:
     return list(command) == [sys.executable, *DEFAULT_COMMAND[1:]]
 
 
-def _check_manifest(run: p.Manifest, env: NodeEnv, command: Sequence[str]) -> None:
+def _check_manifest(
+    run: p.Manifest, env: NodeEnv, command: Sequence[str], base: dict[str, str]
+) -> None:
     """Refuse nodes that would not match the mailbox's run, before any starts: the
     algorithm settings always, the model's layout when the nodes run the built-in node
     (another command's model is known only to its nodes, which check it themselves)."""
@@ -234,9 +250,9 @@ def _check_manifest(run: p.Manifest, env: NodeEnv, command: Sequence[str]) -> No
     )  # what NodeEnv.session gives every node
     if _builtin(command):
         from gradientmail.engine.layout import ModelLayout
-        from gradientmail.node import _builtin_model
+        from gradientmail.node import builtin_model
 
-        mine = ModelLayout(_builtin_model(), algorithm).manifest(env.learner_id, algorithm)
+        mine = ModelLayout(builtin_model(base), algorithm).manifest(env.learner_id, algorithm)
     else:
         mine = dataclasses.replace(run, algorithm=algorithm.settings())
     differences = run.differences(mine)
@@ -329,6 +345,8 @@ def run_command(args: argparse.Namespace) -> int:
     else:
         name = loaded.name
     command = _command(args, loaded)
+    base = _base_environ(loaded, loaded.spec.nodes, errors)
+    lm = _lm_settings(base) if _builtin(command) else None
     if args.mailbox == "spec" and not loaded.has_mailbox:
         raise CliError("--mailbox spec: the spec file names no mailbox", USAGE)
     if args.join and args.mailbox in (None, "spec"):
@@ -354,7 +372,7 @@ def run_command(args: argparse.Namespace) -> int:
         box = mailbox_for(url, create=True)
         manifest = _probe(box, url)
         if manifest is not None:
-            _check_manifest(manifest, envs[0], command)
+            _check_manifest(manifest, envs[0], command, base)
         if args.mailbox not in (None, "spec"):  # a fresh mailbox holds nobody
             if args.join:
                 offset = _join_offset(name, spec.nodes, _learners(box, url))
@@ -396,12 +414,16 @@ def run_command(args: argparse.Namespace) -> int:
             f"{escape(creator)}); the nodes join it as "
             f"{escape(', '.join(n.learner for n in nodes))}"
         )
-    runner = Runner(
-        nodes, command, _base_environ(loaded, spec.nodes, errors), workdir, spec.max_restarts
-    )
+    runner = Runner(nodes, command, base, workdir, spec.max_restarts)
     watch = Watch(box, args.poll_interval)
     live_mode = console.is_terminal and not args.no_live
     started = time.monotonic()
+
+    def committed() -> int | None:
+        view = watch.view
+        return view.rounds_committed if view is not None and view.exists else None
+
+    aligned = None if lm is None else AlignedEval(url, lm, started, committed)
     failed: Node | None = None
     interrupted: Interrupted | None = None
 
@@ -416,6 +438,7 @@ def run_command(args: argparse.Namespace) -> int:
             nodes=[n.row() for n in nodes],
             error=watch.error,
             rate=watch.rate.value(),
+            notes=() if aligned is None else [aligned.line()],
         )
 
     # A node's traceback shows as its last line here; the whole of it is in the node's log.
@@ -437,6 +460,8 @@ def run_command(args: argparse.Namespace) -> int:
     with _signals_interrupt():
         try:
             watch.start()
+            if aligned is not None:
+                aligned.start()
             for node in nodes:
                 runner.start(node)
             if live_mode:
@@ -449,7 +474,10 @@ def run_command(args: argparse.Namespace) -> int:
                     break
                 if not live_mode and time.monotonic() - last_status > 5:
                     last_status = time.monotonic()
-                    console.print(escape(_status_line(title(), watch.view, watch.rate.value())))
+                    line = status_line(title(), watch.view, watch.rate.value())
+                    if aligned is not None:
+                        line += f"; {aligned.line().plain}"
+                    console.print(escape(line))
                 time.sleep(POLL)
         except KeyboardInterrupt:
             interrupted = Interrupted(signal.SIGINT)
@@ -471,6 +499,8 @@ def run_command(args: argparse.Namespace) -> int:
                     if not interrupted:
                         console.print(escape(shown))
             watch.finish()
+            if aligned is not None:
+                aligned.stop()
             if live is not None:
                 live.stop()
     if not live_mode:
@@ -493,49 +523,22 @@ def run_command(args: argparse.Namespace) -> int:
         )
         errors.print(escape(tail))
         return 1
-    _summary(console, nodes, watch.view, url, elapsed)
+    summary(console, nodes, watch.view, url, elapsed)
+    if aligned is not None:
+        label = f"{nodes[0].learner}'s model"
+        node_curve = Curve(label, [(t - started, v) for t, v in nodes[0].val_curve])
+        finish(console, workdir, aligned, node_curve)
     return 0
+
+
+def _lm_settings(base: dict[str, str]) -> LmSettings | None:
+    """The built-in node's language-model settings (None for its synthetic task), checked
+    before any node starts."""
+    try:
+        return LmSettings.from_environ(base) if task_of(base) == "lm" else None
+    except ValueError as exc:
+        raise CliError(str(exc), USAGE) from None
 
 
 def urlsplit_scheme(url: str) -> str:
     return url.partition("://")[0].lower() if "://" in url else ""
-
-
-def _status_line(title: str, view: RunView | None, rate: float | None) -> str:
-    if view is None or not view.exists:
-        return f"[{title}] waiting for the run to appear"
-    shown = "—" if rate is None else f"{rate:,.0f}"  # each sample counted once
-    sync = view.sync
-    trouble = ""
-    if sync.skipped:
-        trouble += f", sync points skipped {sync.skipped} ({', '.join(sync.skipping)})"
-    if sync.stalling:
-        trouble += f", waiting at sync points: {', '.join(sync.stalling)}"
-    return (
-        f"[{title}] rounds committed {view.rounds_committed}, live learners "
-        f"{view.live_learners}, samples/s {shown}, sync points {sync.sync_points} "
-        f"(contributed {sync.contributed}, waited {sync.waited_s:.1f} s){trouble}"
-    )
-
-
-def _summary(
-    console: Console, nodes: Sequence[Node], view: RunView | None, url: str, elapsed: float
-) -> None:
-    rounds = 0 if view is None else view.rounds_committed
-    firsts = [n.first_loss for n in nodes if n.first_loss is not None]
-    lasts = [n.last_loss for n in nodes if n.last_loss is not None]
-    loss = ""
-    if firsts and lasts:
-        loss = f", mean loss {sum(firsts) / len(firsts):.4f} → {sum(lasts) / len(lasts):.4f}"
-    console.print(
-        f"\n[green]done[/] in {elapsed:.1f} s: {len(nodes)} nodes, {rounds} training rounds "
-        f"committed{loss}"
-    )
-    console.print("next:")
-    console.print(f"  gradientmail status {escape(_quoted(url))}")
-    console.print(f"  gradientmail verify {escape(_quoted(url))}")
-    console.print(f"  gradientmail align {escape(_quoted(url))} --out model.safetensors")
-
-
-def _quoted(url: str) -> str:
-    return f"'{url}'" if any(c in url for c in "?&; ") else url

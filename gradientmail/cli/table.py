@@ -388,11 +388,13 @@ def render_run(
     nodes: Sequence[NodeRow] | None = None,
     error: str | None = None,
     rate: float | None = None,
+    notes: Sequence[RenderableType] = (),
 ) -> RenderableType:
     """The whole table: a title line, the run's numbers, one row per learner. ``rate``
-    (samples/s) defaults to the view's own. It shows :func:`view_json`'s fields."""
+    (samples/s) defaults to the view's own. It shows :func:`view_json`'s fields, and
+    ``notes`` under the run's numbers (``gradientmail run``: the aligned model's loss)."""
     shown = None if view is None else view_json("", view, polls=polls, rate=rate)
-    parts: list[RenderableType] = [Text(title, style="bold"), _summary(shown)]
+    parts: list[RenderableType] = [Text(title, style="bold"), _summary(shown), *notes]
     if shown is not None and shown["exists"]:
         parts += _flags(shown)
     if error:

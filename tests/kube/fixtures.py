@@ -198,7 +198,11 @@ def start_cluster(
     try:
         node: Kubelet | None = None
         if kubelet:
-            options: dict[str, Any] = {"extra_env": {"PYTHONPATH": str(REPO_ROOT)}}
+            # Pods that run the built-in node train its synthetic task (seconds, not the
+            # language model's minute): these tests are about the operator, not the model.
+            options: dict[str, Any] = {
+                "extra_env": {"PYTHONPATH": str(REPO_ROOT), "GRADIENTMAIL_TASK": "synthetic"}
+            }
             options.update(kubelet_options or {})
             node = Kubelet(server.url, logs_dir=logs, workdir=workdir / "pods", **options)
         cluster = KubeCluster(
