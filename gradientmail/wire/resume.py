@@ -6,12 +6,11 @@ payload like any other, the optimizer state's structure is tagged JSON in the re
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
 from gradientmail.errors import ProtocolError
+from gradientmail.wire.decode import _Reader
 from gradientmail.wire.keys import FORMAT_VERSION, blob_sha, check_learner_id, parse_resume_key
 
 __all__ = ["ResumeCountersWire", "ResumeState", "ResumeStateWire", "decode_resume"]
@@ -94,13 +93,6 @@ class ResumeState:
         }
 
 
-def _count(key: str, obj: Mapping[str, Any], name: str) -> int:
-    value = obj.get(name)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ProtocolError(f"{key}: field {name!r} is {value!r}, not a count")
-    return value
-
-
 def _ints(key: str, value: object, what: str) -> tuple[int, ...]:
     if not isinstance(value, list) or not all(
         isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in value
@@ -115,62 +107,42 @@ def decode_resume(key: str, data: bytes | None) -> ResumeState:
     key otherwise. The tagged ``state`` is checked where it is turned back into tensors
     (``session/_resume.py``): this module has no torch."""
     learner, save = parse_resume_key(key)
-    if data is None:
-        raise ProtocolError(f"{key}: the object is missing")
-    try:
-        obj = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    record = _Reader(key, data)
+    record.format()
+    if record.obj.get("learner") != learner or record.obj.get("save") != save:
         raise ProtocolError(
-            f"{key}: not valid JSON ({exc}); truncated or not written by GradientMail"
-        ) from exc
-    if not isinstance(obj, dict):
-        raise ProtocolError(f"{key}: expected a JSON object, got {type(obj).__name__}")
-    if obj.get("format") != FORMAT_VERSION:
-        raise ProtocolError(
-            f"{key}: format version {obj.get('format')!r}; this GradientMail speaks "
-            f"{FORMAT_VERSION}"
-        )
-    if obj.get("learner") != learner or obj.get("save") != save:
-        raise ProtocolError(
-            f"{key}: the record says learner {obj.get('learner')!r}, save {obj.get('save')!r}"
+            f"{key}: the record says learner {record.obj.get('learner')!r}, "
+            f"save {record.obj.get('save')!r}"
         )
     check_learner_id(learner)
-    counters = obj.get("counters")
-    if not isinstance(counters, dict):
-        raise ProtocolError(f"{key}: field 'counters' is {counters!r}, not an object")
-    waited = counters.get("waited_s")
-    if (
-        not isinstance(waited, int | float)
-        or isinstance(waited, bool)
-        or not 0 <= waited < float("inf")
-    ):
+    counters = _Reader.of(key, record.mapping("counters"))
+    waited = counters._get("waited_s", (int, float))
+    if not 0 <= waited < float("inf"):
         raise ProtocolError(f"{key}: counter 'waited_s' is {waited!r}, not a number of seconds")
-    optimizer, payload = obj.get("optimizer"), obj.get("payload")
-    if not isinstance(optimizer, str) or not isinstance(payload, str):
-        raise ProtocolError(f"{key}: fields 'optimizer' and 'payload' must be strings")
+    payload = record.text("payload")
     try:
         blob_sha(payload)
     except ProtocolError as exc:
         raise ProtocolError(f"{key}: {exc}") from exc
-    groups = obj.get("groups")
-    if not isinstance(groups, list) or not all(isinstance(g, list) for g in groups):
+    groups = record.items("groups")
+    if not all(isinstance(g, list) for g in groups):
         raise ProtocolError(f"{key}: field 'groups' is not a list of lists")
     return ResumeState(
         learner=learner,
         save=save,
-        step=_count(key, obj, "step"),
-        samples=_count(key, obj, "samples"),
-        rounds=_ints(key, obj.get("rounds"), "field 'rounds'"),
-        optimizer=optimizer,
+        step=record.integer("step"),
+        samples=record.integer("samples"),
+        rounds=_ints(key, record.obj.get("rounds"), "field 'rounds'"),
+        optimizer=record.text("optimizer"),
         groups=tuple(
             tuple(_ints(key, shape, f"a shape of group {i}") for shape in group)
             for i, group in enumerate(groups)
         ),
-        state=obj.get("state"),
+        state=record.obj.get("state"),
         payload=payload,
-        nbytes=_count(key, obj, "nbytes"),
-        sync_points=_count(key, counters, "sync_points"),
-        contributed=_count(key, counters, "contributed"),
-        skipped=_count(key, counters, "skipped"),
+        nbytes=record.integer("nbytes"),
+        sync_points=counters.integer("sync_points"),
+        contributed=counters.integer("contributed"),
+        skipped=counters.integer("skipped"),
         waited_s=float(waited),
     )
