@@ -138,6 +138,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--steps", default="400,100", help="steps per node, comma list or one value")
     add("--sync-every", type=int, default=12, help="DiLoCo sync_every (default 12)")
     add("--fragments", type=int, default=4, help="DiLoCo fragments (default 4)")
+    add(
+        "--algorithm",
+        choices=["diloco", "sparseloco"],
+        default="diloco",
+        help="gm.DiLoCo (default) or gm.SparseLoCo (top-k contributions, error feedback)",
+    )
+    add(
+        "--compression",
+        default="none",
+        help="contributions: none (dense; DiLoCo's default), topk:DENSITY:BITS, bfloat16, "
+        "float16, int8 or int4 (SparseLoCo's default: topk:0.02:2)",
+    )
     add("--mailbox", help="any URL gm.open_mailbox takes (default: a fresh temp dir)")
     add(
         "--step-delay",
@@ -184,11 +196,39 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--mailbox: a memory:// mailbox lives in one process; use file:// or s3://")
     if not 0 <= args.index < args.nodes:
         parser.error(f"--index must be in [0, {args.nodes})")
+    try:
+        algorithm(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     return args
 
 
+def compression(text: str) -> gm.TopK | gm.Cast | gm.Quantize | None:
+    """``--compression``'s value as a compressor (ValueError naming a bad one)."""
+    if text == "none":
+        return None
+    if text in ("bfloat16", "float16"):
+        return gm.Cast(text)
+    if text in ("int8", "int4"):
+        return gm.Quantize(bits=int(text[3:]))
+    name, _, rest = text.partition(":")
+    density, _, bits = rest.partition(":")
+    if name != "topk" or not density or not bits:
+        raise ValueError(
+            f"--compression {text!r}: none, topk:DENSITY:BITS, bfloat16, float16, int8 or int4"
+        )
+    return gm.TopK(density=float(density), bits=int(bits))
+
+
 def algorithm(args: argparse.Namespace) -> gm.DiLoCo:
-    return gm.DiLoCo(sync_every=args.sync_every, fragments=args.fragments)
+    compressor = compression(args.compression)
+    if args.algorithm == "sparseloco":
+        if compressor is None:
+            return gm.SparseLoCo(sync_every=args.sync_every, fragments=args.fragments)
+        return gm.SparseLoCo(
+            sync_every=args.sync_every, fragments=args.fragments, compression=compressor
+        )
+    return gm.DiLoCo(sync_every=args.sync_every, fragments=args.fragments, compression=compressor)
 
 
 # -- node ------------------------------------------------------------------------------------
@@ -462,6 +502,10 @@ def child_argv(args: argparse.Namespace, role: str, index: int = 0) -> list[str]
         str(args.sync_every),
         "--fragments",
         str(args.fragments),
+        "--algorithm",
+        args.algorithm,
+        "--compression",
+        args.compression,
         "--seed",
         str(args.seed),
         "--batch-size",

@@ -15,7 +15,9 @@ here (``__all__``); everything else is private to its package. The layers, lowes
   heartbeat task, claim-with-failover, sweeping; no torch. Used by the engine, the
   patterns and the CLI alike.
 - ``payload/``: tensors <-> content-addressed safetensors bytes (no pickle), buffer pools.
-- ``algorithms/``: the :class:`Algorithm` protocol the engine calls, and :class:`DiLoCo`.
+- ``algorithms/``: the :class:`Algorithm` protocol the engine calls, :class:`DiLoCo`,
+  :class:`SparseLoCo`, and the compressors of contributions (:class:`TopK`,
+  :class:`Cast`, :class:`Quantize`).
 - ``engine/``: a model as fragments (``layout``), joining and creator failover (``join``),
   closing rounds (``closer``), recomputing commits (``verify``, public as ``gm.verify``).
 - ``session/``: :class:`Session` (the learner) and :func:`align`.
@@ -48,13 +50,14 @@ from gradientmail.patterns.barrier import Barrier
 from gradientmail.patterns.shared_queue import SharedQueue, shared_queue
 
 if TYPE_CHECKING:
-    from gradientmail.algorithms import Algorithm, DiLoCo
+    from gradientmail.algorithms import Algorithm, Cast, DiLoCo, Quantize, SparseLoCo, TopK
     from gradientmail.engine import verify
     from gradientmail.session import Session, align
 
 __all__ = [
     "Algorithm",
     "Barrier",
+    "Cast",
     "DiLoCo",
     "FileMailbox",
     "Mailbox",
@@ -65,9 +68,12 @@ __all__ = [
     "MemoryUsage",
     "PayloadCorrupt",
     "ProtocolError",
+    "Quantize",
     "S3Mailbox",
     "Session",
     "SharedQueue",
+    "SparseLoCo",
+    "TopK",
     "align",
     "events",
     "inspect",
@@ -82,6 +88,10 @@ __all__ = [
 _TORCH_NAMES = {
     "Session": ("gradientmail.session", "Session"),
     "DiLoCo": ("gradientmail.algorithms", "DiLoCo"),
+    "SparseLoCo": ("gradientmail.algorithms", "SparseLoCo"),
+    "TopK": ("gradientmail.algorithms", "TopK"),
+    "Cast": ("gradientmail.algorithms", "Cast"),
+    "Quantize": ("gradientmail.algorithms", "Quantize"),
     "Algorithm": ("gradientmail.algorithms", "Algorithm"),
     "align": ("gradientmail.session", "align"),
     "verify": ("gradientmail.engine.verify", None),

@@ -154,6 +154,9 @@ class Counters:
     published: int = 0
     closed: int = 0
     applied: int = 0
+    # Commits this learner computed from their rounds' compressed contributions instead of
+    # downloading their parameters (SparseLoCo: algorithms/contribution.py).
+    computed: int = 0
     skipped_syncs: int = 0  # sync points passed without contributing (free_running only)
     sync_points: int = 0  # sync points training reached (every fragment's, close()/sync() too)
     waits: int = 0  # times step()/sync()/close() held the training thread for a commit

@@ -264,6 +264,59 @@ def test_spec_setup_commits_verified_rounds_and_align_loads_the_newest(
     assert summary["aligned_loss"] < summary["fresh_loss"]
 
 
+def test_sparseloco_processes_commit_verified_rounds_that_align_loads(
+    store: Store, tmp_path: Path
+) -> None:
+    """SparseLoCo's compressed contributions over real processes: every commit recomputes
+    bit for bit in the checker (decoding the top-k payloads as the closer did), and
+    ``gm.align`` loads exactly the newest commits, which beat a fresh model."""
+    result_path, aligned_path = tmp_path / "result.json", tmp_path / "aligned.safetensors"
+    argv = [
+        sys.executable,
+        str(SCRIPT),
+        f"--mailbox={store.url}",
+        "--nodes=2",
+        "--steps=96,48",
+        f"--sync-every={SYNC_EVERY}",
+        f"--fragments={FRAGMENTS}",
+        "--algorithm=sparseloco",
+        "--compression=topk:0.1:2",
+        "--min-rounds=8",  # node-0's sync points: 96 steps / 12 per fragment, 4 fragments
+        f"--round-timeout={TEST_TIMEOUT}",
+        f"--lease-timeout={TEST_TIMEOUT}",
+        "--keep-rounds=100000",
+        f"--timeout={RUN_LIMIT}",
+        f"--result={result_path}",
+        f"--aligned={aligned_path}",
+    ]
+    run = subprocess.run(
+        argv, cwd=REPO, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+        timeout=RUN_LIMIT + 30,
+    )  # fmt: skip
+    assert run.returncode == 0, f"{run.stdout}\n{run.stderr}"
+    summary = json.loads(result_path.read_text())
+    assert summary["ok"], summary["failures"]
+    rounds = Rounds(store.open())
+    committed = rounds.refresh()
+    manifest = p.decode_manifest(p.MANIFEST, asyncio.run(rounds.box.get(p.MANIFEST)))
+    assert manifest.algorithm["name"] == "sparseloco"
+    assert manifest.algorithm["compression"]["density"] == 0.1
+    assert summary["verified"] == len(committed)
+    assert all(c["ok"] for c in summary["commits"])
+    # The contributions are top-k payloads, not parameters: one of them, decoded.
+    newest = rounds.newest()
+    sample = committed[newest[0]].contributors[0].payload
+    stored = asyncio.run(get_tensors(rounds.box, sample))
+    assert stored
+    assert all("#" in name for name in stored), sorted(stored)[:4]
+    aligned = load_file(aligned_path)
+    for f, r in enumerate(newest):
+        params = asyncio.run(get_tensors(rounds.box, committed[r].params, manifest.fragments[f]))
+        for name, tensor in params.items():
+            assert torch.equal(aligned[name], tensor), (f, r, name)
+    assert summary["aligned_loss"] < summary["fresh_loss"]
+
+
 # -- b. a learner killed mid-run -------------------------------------------------------------
 
 

@@ -29,7 +29,7 @@ from typing import Any, Protocol, Self, runtime_checkable
 import torch
 
 from gradientmail.ledger import COMBINE, LEDGER
-from gradientmail.wire import TensorSpec
+from gradientmail.wire import BUFFER, PARAM, TensorSpec
 
 __all__ = ["Algorithm", "Contribution", "Tensors", "accumulate", "combine", "weighted_sum"]
 
@@ -154,7 +154,11 @@ def weighted_sum(
     out: Tensors | None = None,
 ) -> Tensors:
     """The contributions' weighted sums, whole tensors at a time (the closer streams the
-    same sums part by part): float32, into ``out`` when given (zeroed first)."""
+    same sums part by part): float32, into ``out`` when given (zeroed first). With a
+    compressing algorithm each contribution's tensors are its payload's
+    (``algorithms/contribution.py``), decoded as the closer decodes them."""
+    from gradientmail.algorithms.contribution import add_contribution, compression_of
+
     ordered = sorted(contributions, key=lambda c: c[0])
     params_w, buffers_w = algorithm.weights([(c[0], c[1]) for c in ordered], closer)
     buffers = frozenset(buffer_names)
@@ -166,10 +170,24 @@ def weighted_sum(
                 if out is None
                 else out[name].zero_()
             )
+            sums[name] = acc
+        compressed = compression_of(algorithm)
+        if compressed is not None:
+            specs = [
+                TensorSpec(name, tuple(v.shape), str(v.dtype), BUFFER if name in buffers else PARAM)
+                for name, v in like.items()
+            ]
+            flat = {name: acc.view(size=(-1,)) for name, acc in sums.items()}
+            for i, (learner, _, payload) in enumerate(ordered):
+                by_name = {n: buffers_w[i] if n in buffers else params_w[i] for n in like}
+                add_contribution(
+                    compressed[0], flat, payload, by_name, specs, buffers, where=learner
+                )
+            return sums
+        for name, acc in sums.items():
             weights = buffers_w if name in buffers else params_w
             for (_, _, local), weight in zip(ordered, weights, strict=True):
                 accumulate(acc, local[name], weight)
-            sums[name] = acc
     return sums
 
 

@@ -22,6 +22,14 @@ contributions' plain sample-weighted average ``Σ samples_i · local_i / Σ samp
 ``buffers="closer"`` to the closing learner's own copy (the first contributor in learner-id
 order if the closer did not contribute).
 
+With ``compression=`` (``gm.TopK``, ``gm.Cast``, ``gm.Quantize``) a learner contributes its
+pseudo-gradient instead of its parameters, compressed with error feedback on its
+communication thread (``algorithms/contribution.py``): ``e ← e + (global − local)``, it
+sends ``C(e)`` and keeps ``e − D(C(e))``. The round's weighted sums are then the mean
+decoded pseudo-gradient ``Δ̄`` itself, and the outer step reads
+``momentum = μ·momentum + Δ̄``, ``global' = global − lr·(Δ̄ + μ·momentum)`` (Nesterov) or
+``global − lr·momentum``.
+
 A round is the engine's weighted sums (:meth:`DiLoCo.weights`: contributions in
 learner-id order, float32) and :meth:`DiLoCo.finish` (the outer step), element-wise ops
 only, so any process can recompute a commit from its round record and the previous commit
@@ -34,11 +42,12 @@ import bisect
 import itertools
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import torch
 
 from gradientmail.algorithms.base import combine, register
+from gradientmail.algorithms.compression import Compression, compression_from_settings
 from gradientmail.wire import TensorSpec
 
 __all__ = ["BUFFER_MODES", "DiLoCo"]
@@ -57,6 +66,9 @@ class DiLoCo:
     buffers: str = "average"
     """How a round sets floating-point buffers: ``"average"`` (sample-weighted) or
     ``"closer"`` (the closer's own copy)."""
+    compression: Compression | None = None
+    """How contributions travel: None (the parameters, dense) or a compressor of the
+    pseudo-gradient with error feedback (``gm.TopK``, ``gm.Cast``, ``gm.Quantize``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.sync_every, int) or self.sync_every < 1:
@@ -77,10 +89,17 @@ class DiLoCo:
                 f"DiLoCo(buffers={self.buffers!r}) must be one of "
                 + ", ".join(repr(mode) for mode in BUFFER_MODES)
             )
+        _check_compression(type(self).__name__, self.compression)
 
     @property
     def name(self) -> str:
         return "diloco"
+
+    @property
+    def error_decay(self) -> float:
+        """The error-feedback accumulator's decay between contributions (1: plain error
+        feedback). Only read when ``compression`` is set."""
+        return 1.0
 
     def settings(self) -> dict[str, Any]:
         """What the manifest records; every node must agree on all of it. ``buffers`` only
@@ -95,11 +114,15 @@ class DiLoCo:
         }
         if self.buffers != "average":
             settings["buffers"] = self.buffers
+        if self.compression is not None:
+            settings["compression"] = self.compression.settings()
         return settings
 
     @classmethod
-    def from_settings(cls, settings: Mapping[str, Any]) -> DiLoCo:
+    def from_settings(cls, settings: Mapping[str, Any]) -> Self:
         values = {k: v for k, v in settings.items() if k != "name"}
+        if "compression" in values:
+            values["compression"] = compression_from_settings(values["compression"])
         return cls(**values)
 
     # -- schedule --------------------------------------------------------------------------
@@ -192,6 +215,21 @@ class DiLoCo:
                 new_params[name] = acc.to(dtype=global_value.dtype)
                 new_momentum[name] = torch.zeros_like(g) if m_out is None else m_out.zero_()
                 continue
+            if self.compression is not None:
+                # acc is the mean pseudo-gradient itself:  m = μ·m_old + acc
+                if momentum is None:  # the first round: momentum starts at zero
+                    m = acc.clone() if m_out is None else m_out.copy_(acc)
+                else:
+                    old = momentum[name].to(dtype=torch.float32)
+                    m = old.mul(mu) if m_out is None else torch.mul(old, mu, out=m_out)
+                    m.add_(acc)
+                if self.nesterov:  # g − lr·acc − lr·μ·m
+                    acc.mul_(-lr).add_(g).add_(m, alpha=-lr * mu)
+                else:
+                    acc.copy_(g).add_(m, alpha=-lr)  # g − lr·m
+                new_params[name] = acc.to(dtype=global_value.dtype)
+                new_momentum[name] = m
+                continue
             # delta = g − avg;  m = μ·m_old + delta
             if momentum is None:  # the first round: momentum starts at zero
                 m = torch.sub(g, acc) if m_out is None else torch.sub(g, acc, out=m_out)
@@ -247,6 +285,16 @@ class DiLoCo:
             out=out,
             buffer_names=buffer_names,
             closer=closer,
+        )
+
+
+def _check_compression(owner: str, compression: object) -> None:
+    from gradientmail.algorithms.compression import Compression
+
+    if compression is not None and not isinstance(compression, Compression):
+        raise ValueError(
+            f"{owner}(compression={compression!r}) must be None or a compressor such as "
+            "gm.TopK(density=0.02, bits=2), gm.Cast('bfloat16') or gm.Quantize(bits=8)"
         )
 
 

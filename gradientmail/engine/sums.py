@@ -17,8 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from gradientmail.algorithms.base import Algorithm, accumulate
+from gradientmail.algorithms.contribution import add_contribution, compression_of
 from gradientmail.errors import ProtocolError
 from gradientmail.mailbox import Mailbox
+from gradientmail.payload import get_tensors
 from gradientmail.payload.stream import Sink, fixed, stream_tensors
 from gradientmail.wire import TensorSpec
 
@@ -28,7 +30,8 @@ __all__ = ["Member", "Unusable", "weighted_sums"]
 @dataclass(frozen=True)
 class Member:
     """One contribution: its learner, samples, payload key, and, when the caller holds
-    its tensors already (a closer's own snapshot), those."""
+    its tensors already (a closer's own snapshot: its payload's tensors when compressed),
+    those."""
 
     learner: str
     samples: int
@@ -61,8 +64,29 @@ async def weighted_sums(
     params_w, buffers_w = algorithm.weights([(m.learner, m.samples) for m in members], closer)
     await asyncio.to_thread(_zero, out)
     flat = {name: tensor.view(-1) for name, tensor in out.items()}
+    compressed = compression_of(algorithm)
     for i, member in enumerate(members):
         weights = {name: buffers_w[i] if name in buffer_names else params_w[i] for name in out}
+        if compressed is not None:
+            # Compressed contributions are small: each is read whole, then decoded into
+            # the sums (payload/ verifies its hash; the compressor its structure).
+            try:
+                payload = member.local
+                if payload is None:
+                    payload = await get_tensors(box, member.payload)
+                await asyncio.to_thread(
+                    add_contribution,
+                    compressed[0],
+                    flat,
+                    payload,
+                    weights,
+                    specs,
+                    buffer_names,
+                    where=member.payload,
+                )
+            except ProtocolError as exc:
+                raise Unusable(i, exc) from exc
+            continue
         if member.local is not None:
             await asyncio.to_thread(_add_whole, flat, member.local, weights)
             continue

@@ -19,7 +19,6 @@ learner may not appear in both.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
 
@@ -31,9 +30,7 @@ from gradientmail.coord.retry import retrying
 from gradientmail.engine.sums import Member, Unusable, weighted_sums
 from gradientmail.errors import ProtocolError
 from gradientmail.mailbox import Mailbox
-from gradientmail.payload import encode, encode_payload, get_tensors
-from gradientmail.wire import is_parts_key
-from gradientmail.wire.parts import parse_index
+from gradientmail.payload import get_tensors, stored_key
 from gradientmail.wire.records import NO_TOTALS
 
 __all__ = ["Verified", "verify_commit"]
@@ -51,17 +48,6 @@ class Verified:
 
 async def _record(box: Mailbox, key: str) -> bytes | None:
     return await retrying(partial(box.get, key))
-
-
-async def _stored_key(box: Mailbox, tensors: Mapping[str, torch.Tensor], stored: str) -> str:
-    """The key ``tensors`` get when stored the way ``stored`` was: one blob, or parts of the
-    size its index shows (the writer's part size, whatever this process's is)."""
-    if not is_parts_key(stored):
-        return encode(tensors)[0]
-    data = await retrying(partial(box.get, stored))
-    if data is None:
-        raise ProtocolError(f"{stored}: the payload is missing (swept, or another store)")
-    return encode_payload(tensors, parse_index(stored, data)[0]["size"]).key
 
 
 def _check_totals(key: str, commit: p.Commit, base: p.Commit, fragments: int) -> None:
@@ -137,10 +123,11 @@ async def verify_commit(box: Mailbox, r: int, manifest: p.Manifest | None = None
         expected_params, expected_momentum = algorithm.finish(
             base_params, momentum, sums, buffer_names=buffers
         )
-    if await _stored_key(box, expected_params, commit.params) != commit.params:
+    if await retrying(partial(stored_key, box, expected_params, commit.params)) != commit.params:
         raise ProtocolError(f"{key}: its parameters are not the combination its record names")
     if commit.momentum is None or (
-        await _stored_key(box, expected_momentum, commit.momentum) != commit.momentum
+        await retrying(partial(stored_key, box, expected_momentum, commit.momentum))
+        != commit.momentum
     ):
         raise ProtocolError(f"{key}: its momentum is not the combination its record names")
     return Verified(

@@ -18,7 +18,9 @@ from gradientmail.payload.transfer import (
     encode,
     encode_payload,
     get_tensors,
+    payload_key,
     put_tensors,
+    stored_key,
 )
 
 __all__ = [
@@ -30,5 +32,7 @@ __all__ = [
     "encode",
     "encode_payload",
     "get_tensors",
+    "payload_key",
     "put_tensors",
+    "stored_key",
 ]

@@ -181,6 +181,37 @@ def encode_payload(tensors: Mapping[str, torch.Tensor], part_bytes: int | None =
     return Encoded(key, size, (*parts, (key, index)))
 
 
+def payload_key(tensors: Mapping[str, torch.Tensor], part_bytes: int | None = None) -> str:
+    """The key :func:`encode_payload` gives ``tensors``, by hashing their memory in place
+    (no copy of the payload is made)."""
+    pieces, size = _stream(tensors)
+    groups = _groups(pieces, size, part_bytes)
+
+    def digest(group: Sequence[memoryview]) -> str:
+        hashed = hashlib.sha256()
+        for piece in group:
+            hashed.update(piece)
+        return hashed.hexdigest()
+
+    if len(groups) == 1:
+        return blob_key(digest(pieces))
+    parts = [(blob_key(digest(g)), sum(len(piece) for piece in g)) for g in groups]
+    return _index(size, parts)[0]
+
+
+async def stored_key(box: Mailbox, tensors: Mapping[str, torch.Tensor], stored: str) -> str:
+    """The key ``tensors`` get when stored the way ``stored`` was: one blob, or parts of the
+    size its index shows (the writer's part size, whatever this process's is). Compare it
+    with ``stored`` to check that ``tensors`` are what a record names."""
+    part_bytes = sys.maxsize  # one blob, whatever its size
+    if is_parts_key(stored):
+        data = await box.get(stored)
+        if data is None:
+            raise ProtocolError(f"{stored}: the payload is missing (swept, or another store)")
+        part_bytes = parse_index(stored, data)[0]["size"]
+    return await asyncio.to_thread(payload_key, tensors, part_bytes)
+
+
 def _groups(pieces: list[memoryview], size: int, part_bytes: int | None) -> list[list[memoryview]]:
     """The stream's parts: all of it when it fits ``part_bytes``."""
     if part_bytes is None:

@@ -26,17 +26,21 @@ from typing import Any
 import torch
 
 from gradientmail import wire as p
+from gradientmail.algorithms.base import Algorithm
+from gradientmail.algorithms.compression import Compression
+from gradientmail.algorithms.contribution import encode_contribution
 from gradientmail.coord.heartbeat import Heartbeat
 from gradientmail.coord.leases import LeaseTracker
 from gradientmail.coord.retry import Stopped, retrying
 from gradientmail.coord.threads import Wake
 from gradientmail.engine.closer import RoundCloser
 from gradientmail.engine.layout import ModelLayout
+from gradientmail.engine.sums import Member, Unusable, weighted_sums
 from gradientmail.errors import ProtocolError
 from gradientmail.events import Counters, Event, PollFailed, Published, PublishFailed, RoundFailed
 from gradientmail.ledger import GLOBAL
 from gradientmail.mailbox import Mailbox
-from gradientmail.payload import get_tensors, put_tensors
+from gradientmail.payload import get_tensors, put_tensors, stored_key
 from gradientmail.payload.buffers import BufferPool
 from gradientmail.payload.stream import read_into
 from gradientmail.session._state import _TICK, _log_event, _Pending, _poll_delay, _Staged
@@ -47,6 +51,7 @@ class _Background:
     with the training thread is declared here and set up by the Session."""
 
     learner_id: str
+    algorithm: Algorithm
     poll_interval: float
     idle_poll_interval: float
     _box: Mailbox
@@ -74,6 +79,12 @@ class _Background:
     _on_event: Callable[[Event], None] | None
     _optimizer: torch.optim.Optimizer | None
     _resume_uploads: Callable[[], Coroutine[Any, Any, None]]  # the Session's (_resume.py)
+    _compression: tuple[Compression, float] | None  # (compressor, error decay), if any
+    _residual: list[dict[str, torch.Tensor] | None]  # error feedback per fragment
+    # Compressed, stateless rounds: commits are computed from their contributions (_replay)
+    # from the last one staged per fragment (round, parameters), kept under _lock.
+    _delta_downloads: bool
+    _last_commit: list[tuple[int, dict[str, torch.Tensor]]]
     _wake_save: Wake
 
     def _thread_main(self, loop: Callable[[], object]) -> None:
@@ -158,7 +169,24 @@ class _Background:
             if pending.cancelled:
                 return
             snapshot = pending.snapshot
+            base_params = pending.base_params
+            residual = self._residual[pending.fragment]
         try:
+            if self._compression is not None:
+                # Here, never on the training thread. The residual this learner keeps
+                # changes only when the commit holding this contribution is applied
+                # (_training.py): a contribution that misses its round leaves it as it was.
+                compression, decay = self._compression
+                snapshot, pending.residual = await asyncio.to_thread(
+                    encode_contribution,
+                    compression,
+                    decay,
+                    snapshot,
+                    base_params,
+                    residual,
+                    self._layout.buffer_names(pending.fragment),
+                )
+                pending.compressed = snapshot
             key, nbytes = await retrying(partial(put_tensors, self._box, snapshot), stop=self._stop)
             record = p.Snapshot(pending.round, self.learner_id, pending.samples, key, pending.base)
             await retrying(
@@ -203,7 +231,8 @@ class _Background:
             if pending.cancelled or pending.round <= self._known[pending.fragment]:
                 return
             # Held here: applying the round lets go of them (under the lock) meanwhile.
-            snapshot, base_params = pending.snapshot, pending.base_params
+            # A compressed contribution is summed from its payload's tensors, as the others'.
+            snapshot, base_params = pending.compressed or pending.snapshot, pending.base_params
         assert pending.payload is not None
         failure: Exception | None = None
         outcome = None
@@ -256,8 +285,74 @@ class _Background:
             older = self._staged.get(fragment)
             self._staged[fragment] = item if older is None else item.merged(older)
             self._known[fragment] = commit.round
+            if self._delta_downloads:
+                self._last_commit[fragment] = (commit.round, params)
         self._changed.set()
         return True
+
+    async def _replay(
+        self, fragment: int, commits: list[p.Commit]
+    ) -> dict[str, torch.Tensor] | None:
+        """The newest of ``commits`` computed from their rounds' compressed contributions,
+        starting from the last commit of ``fragment`` this learner staged (each round must
+        build on the one before); None when that is not possible here (a gap, a payload
+        that fails, a result whose hash is not the record's: all reported, then the
+        parameters are downloaded)."""
+        with self._lock:
+            known, params = self._last_commit[fragment]
+        specs = self._layout.specs[fragment]
+        buffers = self._layout.buffer_names(fragment)
+        for commit in commits:
+            if commit.round <= known:
+                continue
+            if commit.base != known or not params:
+                return None  # this learner missed a round (it joined, or was away)
+            with self._lock:
+                pending = self._inflight.get(fragment)
+                own = (
+                    (pending.payload, pending.compressed)
+                    if pending is not None and pending.compressed is not None
+                    else None
+                )
+            members = [
+                Member(
+                    c.learner,
+                    c.samples,
+                    c.payload,
+                    own[1] if own is not None and c.payload == own[0] else None,
+                )
+                for c in sorted(commit.contributors, key=lambda c: c.learner)
+            ]
+            sums = self._globals.take(params)
+            try:
+                await weighted_sums(
+                    self._box, self.algorithm, specs, buffers, members, commit.closer, sums
+                )
+                params = await asyncio.to_thread(_step, self.algorithm, params, sums, buffers)
+                # The record names the closer's bytes: these must hash the same.
+                found = await retrying(
+                    partial(stored_key, self._box, params, commit.params), stop=self._stop
+                )
+            except (Unusable, ProtocolError) as exc:
+                self._emit(
+                    PollFailed(
+                        self.learner_id,
+                        error=f"round {commit.round}: cannot compute it from its "
+                        f"contributions ({exc}); downloading its parameters",
+                    )
+                )
+                return None
+            if found != commit.params:
+                self._emit(
+                    PollFailed(
+                        self.learner_id,
+                        error=f"round {commit.round}: the parameters computed from its "
+                        f"contributions are not the ones its record names; downloading them",
+                    )
+                )
+                return None
+            known = commit.round
+        return params if known == commits[-1].round else None
 
     async def _sync(self) -> None:
         since = time.monotonic()  # when this learner last published (woke the syncer)
@@ -331,11 +426,18 @@ class _Background:
 
     async def _fetch(self, fragment: int, commits: list[p.Commit]) -> None:
         """Download the newest of ``commits`` (one fragment's, oldest first) and stage it,
-        remembering which of them held this learner's contributions."""
+        remembering which of them held this learner's contributions. With compressed,
+        stateless rounds (SparseLoCo) the commits are computed here from the rounds'
+        compressed contributions and the commit this learner had, as their closers did;
+        the parameters are downloaded only when that cannot be done."""
         newest = commits[-1]
         specs = self._layout.specs[fragment]
         like = self._ref[fragment]
-        if like.keys() == {spec.name for spec in specs}:
+        params = await self._replay(fragment, commits) if self._delta_downloads else None
+        if params is not None:
+            with self._lock:
+                self._counters.computed += 1
+        elif like.keys() == {spec.name for spec in specs}:
             # Streamed part by part into a pooled buffer: the download holds a few parts,
             # and the buffer a previous commit of any fragment released.
             into = self._globals.take(like, dtype=None)
@@ -358,6 +460,19 @@ class _Background:
             older = self._staged.get(fragment)
             self._staged[fragment] = item if older is None else item.merged(older)
             self._known[fragment] = newest.round
+            if self._delta_downloads:
+                self._last_commit[fragment] = (newest.round, params)
         for c in commits:
             self._closer.forget(c.round)
         self._changed.set()
+
+
+def _step(
+    algorithm: Algorithm,
+    base: dict[str, torch.Tensor],
+    sums: dict[str, torch.Tensor],
+    buffers: frozenset[str],
+) -> dict[str, torch.Tensor]:
+    """A stateless algorithm's commit from its base and the round's sums (as its closer)."""
+    with torch.no_grad():
+        return algorithm.finish(base, None, sums, buffer_names=buffers)[0]

@@ -30,18 +30,22 @@ them before its first step:
 
 from __future__ import annotations
 
+import logging
+import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
 
 import torch
 
 from gradientmail import wire as p
+from gradientmail.algorithms.compression import Compression
 from gradientmail.coord.retry import Stopped, retrying
 from gradientmail.coord.sweep import sweep_resume
 from gradientmail.coord.threads import Wake, run_coroutine
+from gradientmail.engine.layout import ModelLayout
 from gradientmail.errors import PayloadCorrupt, ProtocolError
 from gradientmail.events import Counters, Event, PollFailed, Resumed, ResumeFailed, ResumeSaved
 from gradientmail.mailbox import Mailbox
@@ -58,6 +62,9 @@ from gradientmail.wire.keys import parse_resume_key, resume_key, resume_prefix
 from gradientmail.wire.resume import ResumeState, decode_resume
 
 _UPLOAD_TICK = 0.25  # how often the upload task looks at the stop flag while idle
+_FEEDBACK = "feedback/"  # a save's error-feedback tensors: feedback/{fragment}/{parameter}
+
+_log = logging.getLogger("gradientmail")
 
 
 @dataclass(eq=False)
@@ -88,6 +95,9 @@ class _Resuming:
     _applied: list[int]
     _inflight: dict[int, _Pending]
     _fragments: int
+    _layout: ModelLayout
+    _compression: tuple[Compression, float] | None
+    _residual: list[dict[str, torch.Tensor] | None]
 
     _emit: Callable[[Event], None]  # the Session's (its background side defines it)
 
@@ -146,6 +156,11 @@ class _Resuming:
         key = resume_key(self.learner_id, number)
         self._next_save += 1
         tensors[RESUME_ID] = torch.tensor(list(key.encode()), dtype=torch.uint8)
+        # A compressing algorithm's error feedback (what this learner has not sent yet):
+        # replaced, never changed in place, when a commit is applied on this thread.
+        for fragment, residual in enumerate(self._residual):
+            for name, tensor in (residual or {}).items():
+                tensors[f"{_FEEDBACK}{fragment}/{name}"] = tensor
         record = ResumeState(
             learner=self.learner_id,
             save=number,
@@ -267,7 +282,8 @@ class _Resuming:
             named = tensors.get(RESUME_ID, torch.empty(0, dtype=torch.uint8))
             if bytes(named.tolist()) != key.encode():
                 raise ProtocolError(f"{key}: its payload {record.payload} is another record's")
-            state = decode_state(key, record.state, tensors)
+            optimizer_tensors = {k: v for k, v in tensors.items() if not k.startswith(_FEEDBACK)}
+            state = decode_state(key, record.state, optimizer_tensors)
             # Whole or not at all: load_state_dict builds the new state before it sets it,
             # and raises (ValueError, KeyError...) on a state that contradicts the record.
             self._optimizer.load_state_dict(state)
@@ -275,6 +291,7 @@ class _Resuming:
             self._resume_failed(key, exc)
             return
         self._apply_counters(record)
+        self._restore_feedback(key, tensors)
         self._emit(
             Resumed(
                 self.learner_id,
@@ -284,6 +301,35 @@ class _Resuming:
                 rounds=record.rounds,
             )
         )
+
+    def _restore_feedback(self, key: str, tensors: Mapping[str, torch.Tensor]) -> None:
+        """The error feedback a save holds, per fragment, when it fits this model's layout
+        (a fragment's whole, of its parameters' sizes); else that fragment starts from zero,
+        with a warning: a save from a run with other settings."""
+        if self._compression is None:
+            return
+        found: dict[int, dict[str, torch.Tensor]] = {}
+        for name, tensor in tensors.items():
+            if name.startswith(_FEEDBACK):
+                number, _, param = name[len(_FEEDBACK) :].partition("/")
+                if number.isdigit():
+                    found.setdefault(int(number), {})[param] = tensor
+        for fragment, residual in found.items():
+            specs = self._layout.specs[fragment] if fragment < self._fragments else ()
+            wanted = {spec.name: math.prod(spec.shape) for spec in specs if spec.kind == p.PARAM}
+            sizes = {name: t.numel() for name, t in residual.items()}
+            if sizes != wanted or any(t.dtype != torch.float32 for t in residual.values()):
+                _log.warning(
+                    "%s: %s holds error feedback for fragment %d that does not fit this "
+                    "model; it starts from zero",
+                    self.learner_id,
+                    key,
+                    fragment,
+                )
+                continue
+            self._residual[fragment] = {
+                name: t.reshape(shape=(-1,)).clone() for name, t in residual.items()
+            }
 
     def _resume_failed(self, key: str, exc: Exception) -> None:
         """Report a save that cannot be read; the learner starts fresh."""

@@ -70,6 +70,11 @@ class _Pending:
     payload: str | None = None
     published_at: float | None = None
     cancelled: bool = False
+    # A compressing algorithm's (algorithms/contribution.py), set by the communication
+    # thread when it encodes: the payload's tensors (a closer sums its own from these), and
+    # the error feedback this learner keeps once the contribution is in a commit.
+    compressed: dict[str, torch.Tensor] | None = None
+    residual: dict[str, torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)

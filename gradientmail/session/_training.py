@@ -52,6 +52,7 @@ class _TrainingSide:
     _inflight: dict[int, _Pending]
     _outbox: deque[_Pending]
     _staged: dict[int, _Staged]
+    _residual: list[dict[str, torch.Tensor] | None]
 
     _emit: Callable[[Event], None]  # the Session's (its background side defines it)
 
@@ -251,6 +252,9 @@ class _TrainingSide:
             # if it was combined, else since the previous commit.
             anchor = pending.snapshot if contributed and pending else self._ref[fragment]
             self._layout.rebase(fragment, item.params, anchor)
+        if contributed and pending is not None and pending.residual is not None:
+            # Its contribution is in this commit: what it did not send is kept for the next.
+            self._residual[fragment] = pending.residual
         self._ref[fragment] = item.params
         self._applied[fragment] = commit.round
         lag = 0.0
@@ -264,6 +268,7 @@ class _TrainingSide:
                 # them right now holds its own reference.
                 pending.snapshot = {}
                 pending.base_params = {}
+                pending.compressed = pending.residual = None
                 published = pending.payload is not None
                 self._counters.applied += 1
                 if contributed:

@@ -37,6 +37,7 @@ import torch
 
 from gradientmail import wire as p
 from gradientmail.algorithms.base import Algorithm
+from gradientmail.algorithms.contribution import compression_of
 from gradientmail.coord.heartbeat import Heartbeat
 from gradientmail.coord.leases import LeaseTracker, beating
 from gradientmail.coord.threads import Wake, run_coroutine
@@ -226,6 +227,18 @@ class Session(_TrainingSide, _Background, _Resuming):
         # At most one staged commit per fragment: a newer one replaces (merges) the older,
         # so memory stays bounded however long step() is not called.
         self._staged: dict[int, _Staged] = {}
+        # A compressing algorithm's error feedback, per fragment (algorithms/contribution.py):
+        # replaced when a commit holding this learner's contribution is applied.
+        self._compression = compression_of(algorithm)
+        self._residual: list[dict[str, torch.Tensor] | None] = [None] * self._fragments
+        # Stateless compressed rounds (SparseLoCo) are computed from their contributions
+        # by a learner that has the previous commit: it downloads no dense parameters.
+        self._delta_downloads = self._compression is not None and not any(
+            algorithm.state_specs(specs) for specs in self._layout.specs
+        )
+        self._last_commit: list[tuple[int, dict[str, torch.Tensor]]] = [
+            (0, {}) for _ in range(self._fragments)
+        ]
         self._known = [0] * self._fragments  # newest commit per fragment seen or staged
         self._bad: set[str] = set()  # round records reported unreadable (reported once)
         self._heartbeat = Heartbeat(
@@ -406,6 +419,8 @@ class Session(_TrainingSide, _Background, _Resuming):
             self._layout.load(fragment, values)
             self._ref[fragment] = values
             self._applied[fragment] = self._known[fragment] = rounds[fragment]
+            if self._delta_downloads:
+                self._last_commit[fragment] = (rounds[fragment], values)
         self._emit(Joined(self.learner_id, creator=creator, rounds=tuple(self._applied)))
         return creator
 
