@@ -29,6 +29,7 @@ propagates (state read before the failure is kept, so the next poll goes on from
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -105,6 +106,9 @@ class LearnerView:
     contributed: int | None = None
     waited_s: float | None = None
     skipped: int | None = None
+    # Bytes it moved to and from the mailbox, every kind (None without a beat record).
+    bytes_up: int | None = None
+    bytes_down: int | None = None
     # Share of the observer's time step() waited, over the watcher's window (None until two
     # beats with counters were seen a second or more apart, and for a learner not live).
     waiting_fraction: float | None = None
@@ -143,6 +147,61 @@ class SyncTotals:
 
 
 @dataclass(frozen=True)
+class Traffic:
+    """What the learners moved to and from the mailbox, in all (beats carry it), and
+    ``dense``: the least dense float32 rounds would move for the same contributions (None
+    for an uncompressed run, or before the manifest is there to size it)."""
+
+    bytes_up: int
+    bytes_down: int
+    dense: int | None
+
+    @property
+    def moved(self) -> int:
+        return self.bytes_up + self.bytes_down
+
+    @property
+    def ratio(self) -> float | None:
+        """``dense / moved``: how many times fewer bytes than dense (None when unknown)."""
+        return None if self.dense is None or not self.moved else self.dense / self.moved
+
+
+# Bytes per element of the dtypes a manifest names (the inspector has no torch).
+_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4}
+
+
+def _model_bytes(manifest: Manifest | None) -> int | None:
+    """The dense bytes of one round of every fragment (None when a dtype is unknown)."""
+    if manifest is None:
+        return None
+    total = 0
+    for specs in manifest.fragments:
+        for spec in specs:
+            size = _ITEMSIZE.get(spec.dtype.removeprefix("torch."))
+            if size is None:
+                return None
+            total += size * math.prod(spec.shape)
+    return total
+
+
+def describe_compression(algorithm: Mapping[str, Any] | None) -> str:
+    """A manifest's compression settings in words: ``top-2% of 4096, 2-bit``,
+    ``bfloat16``, ``int8``, or ``none (float32)``."""
+    settings = None if algorithm is None else algorithm.get("compression")
+    if not isinstance(settings, Mapping):
+        return "none (float32)"
+    name = settings.get("name")
+    if name == "topk":
+        density = 100 * float(settings.get("density", 0))
+        return f"top-{density:.3g}% of {settings.get('chunk')}, {settings.get('bits')}-bit"
+    if name == "cast":
+        return str(settings.get("dtype"))
+    if name == "quantize":
+        return f"int{settings.get('bits')}"
+    return str(name)
+
+
+@dataclass(frozen=True)
 class RunView:
     exists: bool  # False while the prefix holds neither claims/creator nor the manifest
     creator: str | None
@@ -165,6 +224,28 @@ class RunView:
     # seconds_since_commit is its age; False when the commit was there at the first poll:
     # its age is then seconds_since_commit or more (0.0 on a first poll).
     commit_age_known: bool = False
+    # The bytes of what one round of every fragment carries, dense (the manifest's params
+    # and buffers; None before the manifest exists).
+    model_bytes: int | None = None
+
+    @property
+    def compression(self) -> str:
+        """How contributions travel, in words (:func:`describe_compression`)."""
+        return describe_compression(self.algorithm)
+
+    @property
+    def traffic(self) -> Traffic:
+        """Bytes the learners moved and, when contributions are compressed, the least
+        dense float32 rounds would move for the same contributions (one fragment up and one
+        down each; a closer moves more), so the ratio understates the saving."""
+        up = sum(v.bytes_up or 0 for v in self.learners)
+        down = sum(v.bytes_down or 0 for v in self.learners)
+        dense = None
+        compressed = self.algorithm is not None and "compression" in self.algorithm
+        if compressed and self.model_bytes is not None and self.fragments:
+            contributed = sum(v.contributed or 0 for v in self.learners)
+            dense = 2 * contributed * self.model_bytes // self.fragments
+        return Traffic(up, down, dense)
 
     @property
     def sync(self) -> SyncTotals:
@@ -380,6 +461,8 @@ class RunWatcher:
                     contributed=None if beat is None else beat.contributed,
                     waited_s=None if beat is None else beat.waited_s,
                     skipped=None if beat is None else beat.skipped,
+                    bytes_up=None if beat is None else beat.bytes_up,
+                    bytes_down=None if beat is None else beat.bytes_down,
                     waiting_fraction=self._waiting_fraction(learner) if is_live else None,
                     beat_age_known=self._first_beats.get(learner) != lease.beat,
                 )
@@ -414,6 +497,7 @@ class RunWatcher:
             ),
             samples_per_second=rate,
             commit_age_known=bool(self._commit_seen_poll),
+            model_bytes=_model_bytes(manifest),
         )
 
 

@@ -21,7 +21,9 @@ from gradientmail import wire as p
 from gradientmail.algorithms import from_manifest
 from gradientmail.algorithms.contribution import add_contribution, encode_contribution
 from gradientmail.engine.sums import Member, Unusable, weighted_sums
+from gradientmail.cli.table import view_json
 from gradientmail.errors import PayloadCorrupt
+from gradientmail.inspect import RunWatcher
 from gradientmail.payload import get_tensors, put_tensors
 from tests.training import Learner, commits, failures, make_model, run_learners, verify_all
 
@@ -218,3 +220,29 @@ def test_a_restarted_learner_gets_its_error_feedback_back() -> None:
             assert torch.equal(restored[name], tensor), name
     finally:
         again.close()
+
+
+def test_status_shows_the_compression_and_the_bytes_moved() -> None:
+    algorithm = ALGORITHMS["sparseloco-topk"]
+    box = gm.MemoryMailbox()
+    learners = [Learner("a", 20, seed=1), Learner("b", 20, seed=2)]
+    run_learners(learners, box, algorithm)
+    view = asyncio.run(RunWatcher(box).poll())
+    shown = view_json("memory://", view)
+    assert shown["compression"] == "top-10% of 64, 2-bit"
+    counted = [learner.session.counters() for learner in learners if learner.session]
+    traffic = shown["traffic"]
+    # The leaving beats carry each learner's bytes up to that beat (not its own write).
+    assert 0 < traffic["bytes_up"] <= sum(sum(c.bytes_up.values()) for c in counted)
+    assert 0 < traffic["bytes_down"] <= sum(sum(c.bytes_down.values()) for c in counted)
+    model_bytes = sum(t.numel() * 4 for t in make_model().parameters())
+    contributed = sum(v["contributed"] for v in shown["learners"])
+    assert traffic["dense_estimate"] == 2 * contributed * model_bytes
+    assert traffic["times_fewer_than_dense"] == traffic["dense_estimate"] / (
+        traffic["bytes_up"] + traffic["bytes_down"]
+    )
+    dense = gm.MemoryMailbox()
+    run_learners([Learner("a", 10, seed=1)], dense, gm.DiLoCo(sync_every=5))
+    plain = view_json("memory://", asyncio.run(RunWatcher(dense).poll()))
+    assert plain["compression"] == "none (float32)"
+    assert plain["traffic"]["dense_estimate"] is None

@@ -133,6 +133,8 @@ def _learner_json(view: LearnerView, polls: int) -> dict[str, Any]:
         "contributed": view.contributed,
         "waited_s": view.waited_s,
         "skipped": view.skipped,
+        "bytes_up": view.bytes_up,
+        "bytes_down": view.bytes_down,
         "waiting_fraction": view.waiting_fraction,
         "skipping": view.skipping,
         "stalling": view.stalling,
@@ -148,6 +150,7 @@ def view_json(
     ``rate``: samples per second as the caller measures it (default: the view's own).
     """
     sync = view.sync
+    traffic = view.traffic
     if rate is None:
         rate = view.samples_per_second
     lag: float | None = view.seconds_since_commit
@@ -177,6 +180,13 @@ def view_json(
             "skipped": sync.skipped,
             "skipping": list(sync.skipping),
             "stalling": list(sync.stalling),
+        },
+        "compression": view.compression,
+        "traffic": {
+            "bytes_up": traffic.bytes_up,
+            "bytes_down": traffic.bytes_down,
+            "dense_estimate": traffic.dense,
+            "times_fewer_than_dense": traffic.ratio,
         },
         "learners": [_learner_json(v, polls) for v in view.learners],
     }
@@ -286,7 +296,20 @@ def _summary(shown: dict[str, Any] | None) -> Table:
             f"   waited {sync['waited_s']:,.1f} s",
         ),
     )
+    traffic = shown.get("traffic")
+    if traffic is not None:
+        moved = traffic["bytes_up"] + traffic["bytes_down"]
+        ratio = traffic["times_fewer_than_dense"]
+        grid.add_row(
+            f"compression {shown['compression']}",
+            f"moved {_megabytes(moved)}",
+            "" if ratio is None else f"{ratio:,.1f}× fewer bytes than dense float32",
+        )
     return grid
+
+
+def _megabytes(count: int) -> str:
+    return f"{count / 1e6:,.1f} MB" if count >= 100_000 else f"{count / 1e3:,.1f} kB"
 
 
 def _state(node: NodeRow) -> Text:

@@ -457,6 +457,8 @@ class Session(_TrainingSide, _Background, _Resuming):
                 contributed=c.published,
                 waited_s=round(waited, 3),
                 skipped=c.skipped_syncs,
+                bytes_up=sum(c.bytes_up.values()),
+                bytes_down=sum(c.bytes_down.values()),
             )
         return p.encode(beat)
 

@@ -260,4 +260,6 @@ def decode_beat(key: str, data: bytes | None) -> Beat:
         contributed=_beat_count(reader, "contributed"),
         waited_s=0.0 if waited is None else float(waited),
         skipped=_beat_count(reader, "skipped"),
+        bytes_up=_beat_count(reader, "bytes_up"),
+        bytes_down=_beat_count(reader, "bytes_down"),
     )

@@ -91,6 +91,9 @@ class BeatWire(TypedDict):
     contributed: NotRequired[int]
     waited_s: NotRequired[float]
     skipped: NotRequired[int]
+    # Bytes this learner moved to and from the mailbox, every kind (added later).
+    bytes_up: NotRequired[int]
+    bytes_down: NotRequired[int]
 
 
 # -- records -----------------------------------------------------------------------------------
@@ -335,7 +338,8 @@ class Beat:
 
     ``sync_points``: sync points its training reached; ``contributed``: contributions it
     made at them; ``waited_s``: seconds ``step()`` waited at them; ``skipped``: sync points
-    it let pass without contributing. Beats written before these existed read as 0.
+    it let pass without contributing; ``bytes_up``/``bytes_down``: what it moved to and
+    from the mailbox. Beats written before these existed read as 0.
     """
 
     learner: str
@@ -346,6 +350,8 @@ class Beat:
     contributed: int = 0
     waited_s: float = 0.0
     skipped: int = 0
+    bytes_up: int = 0
+    bytes_down: int = 0
 
     def to_wire(self) -> BeatWire:
         return {
@@ -357,6 +363,8 @@ class Beat:
             "contributed": self.contributed,
             "waited_s": self.waited_s,
             "skipped": self.skipped,
+            "bytes_up": self.bytes_up,
+            "bytes_down": self.bytes_down,
         }
 
 
