@@ -12,6 +12,8 @@
 from __future__ import annotations
 
 import asyncio
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,8 +22,8 @@ import gradientmail as gm
 from gradientmail import wire as p
 from gradientmail.algorithms import from_manifest
 from gradientmail.algorithms.contribution import add_contribution, encode_contribution
-from gradientmail.engine.sums import Member, Unusable, weighted_sums
 from gradientmail.cli.table import view_json
+from gradientmail.engine.sums import Member, Unusable, weighted_sums
 from gradientmail.errors import PayloadCorrupt
 from gradientmail.inspect import RunWatcher
 from gradientmail.payload import get_tensors, put_tensors
@@ -246,3 +248,13 @@ def test_status_shows_the_compression_and_the_bytes_moved() -> None:
     plain = view_json("memory://", asyncio.run(RunWatcher(dense).poll()))
     assert plain["compression"] == "none (float32)"
     assert plain["traffic"]["dense_estimate"] is None
+
+
+def test_the_readme_compression_snippet_runs_as_printed() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("\n### Compression\n", 1)[1]
+    match = re.search(r"```python\n(.*?)```", section, re.S)
+    assert match, "no python block in the README's Compression section"
+    built: dict[str, object] = {"gm": gm}
+    exec(match.group(1), built)
+    assert built["algorithm"] == gm.DiLoCo(sync_every=100, compression=gm.Quantize(bits=8))
