@@ -145,6 +145,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="gm.DiLoCo (default) or gm.SparseLoCo (top-k contributions, error feedback)",
     )
     add(
+        "--dense-every",
+        type=int,
+        default=1,
+        help="SparseLoCo: store a commit's parameters every K rounds of a fragment (default 1)",
+    )
+    add(
         "--compression",
         default="none",
         help="contributions: none (dense; DiLoCo's default), topk:DENSITY:BITS, bfloat16, "
@@ -224,10 +230,15 @@ def algorithm(args: argparse.Namespace) -> gm.DiLoCo:
     compressor = compression(args.compression)
     if args.algorithm == "sparseloco":
         if compressor is None:
-            return gm.SparseLoCo(sync_every=args.sync_every, fragments=args.fragments)
+            compressor = gm.TopK(density=0.02, bits=2)
         return gm.SparseLoCo(
-            sync_every=args.sync_every, fragments=args.fragments, compression=compressor
+            sync_every=args.sync_every,
+            fragments=args.fragments,
+            compression=compressor,
+            dense_every=args.dense_every,
         )
+    if args.dense_every != 1:
+        raise ValueError("--dense-every is SparseLoCo's (DiLoCo's momentum is dense)")
     return gm.DiLoCo(sync_every=args.sync_every, fragments=args.fragments, compression=compressor)
 
 
@@ -506,6 +517,8 @@ def child_argv(args: argparse.Namespace, role: str, index: int = 0) -> list[str]
         args.algorithm,
         "--compression",
         args.compression,
+        "--dense-every",
+        str(args.dense_every),
         "--seed",
         str(args.seed),
         "--batch-size",

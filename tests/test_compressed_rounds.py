@@ -258,3 +258,45 @@ def test_the_readme_compression_snippet_runs_as_printed() -> None:
     built: dict[str, object] = {"gm": gm}
     exec(match.group(1), built)
     assert built["algorithm"] == gm.DiLoCo(sync_every=100, compression=gm.Quantize(bits=8))
+
+
+def test_dense_every_stores_parameters_every_k_rounds_and_readers_compute_the_rest() -> None:
+    algorithm = gm.SparseLoCo(
+        sync_every=5,
+        fragments=2,
+        dense_every=3,
+        compression=gm.TopK(density=0.1, bits=2, chunk=64),
+    )
+    box = gm.MemoryMailbox()
+    learners = [Learner(x, 40, seed=i) for i, x in enumerate("abc")]
+    # The default keep_rounds (2): the closers keep the chains back to a stored commit.
+    run_learners(learners, box, algorithm, together=True, keep_rounds=2)
+    found = {c.round: c for c in commits(box)}
+    assert all(c.stored == ((r // 2) % 3 == 0) for r, c in found.items())
+    unstored = [c for c in found.values() if not c.stored]
+    assert unstored
+    # Not stored, only named by their hash.
+    assert all(asyncio.run(box.get(c.params)) is None for c in unstored)
+    for learner in learners:
+        assert not failures(learner), failures(learner)
+    # The newest commits (stored or not) verify: each one recomputes to its record's hash.
+    newest = sorted(found)[-2:]
+    for r in newest:
+        asyncio.run(gm.verify.verify_commit(box, r))
+    # align and a joiner compute unstored commits along their chain: the learners' models.
+    aligned = make_model(9)
+    rounds = gm.align(aligned, mailbox=box)
+    assert sorted(rounds.values()) == newest
+    for learner in learners:
+        assert learner.session is not None
+        if learner.session.rounds == tuple(rounds[f] for f in range(2)):
+            for mine, theirs in zip(learner.model.parameters(), aligned.parameters(), strict=True):
+                assert torch.equal(mine, theirs)
+    joiner = make_model(7)
+    with gm.Session(joiner, algorithm=algorithm, mailbox=box, learner_id="late") as session:
+        assert session.rounds == tuple(rounds[f] for f in range(2))
+        for mine, theirs in zip(joiner.parameters(), aligned.parameters(), strict=True):
+            assert torch.equal(mine, theirs)
+    with pytest.raises(ValueError, match="dense_every"):
+        gm.SparseLoCo(dense_every=0)
+    assert from_manifest(algorithm.settings()) == algorithm

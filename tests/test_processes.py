@@ -35,6 +35,8 @@ from safetensors.torch import load_file
 
 import gradientmail as gm
 from gradientmail import wire as p
+from gradientmail.algorithms import from_manifest
+from gradientmail.engine.chain import commit_tensors
 from gradientmail.inspect import LearnerView, RunWatcher
 from gradientmail.payload import get_tensors
 from tests.s3env import S3Target, remove_prefix, s3_targets
@@ -267,8 +269,9 @@ def test_spec_setup_commits_verified_rounds_and_align_loads_the_newest(
 def test_sparseloco_processes_commit_verified_rounds_that_align_loads(
     store: Store, tmp_path: Path
 ) -> None:
-    """SparseLoCo's compressed contributions over real processes: every commit recomputes
-    bit for bit in the checker (decoding the top-k payloads as the closer did), and
+    """SparseLoCo's compressed contributions over real processes, parameters stored every
+    third round: every commit recomputes bit for bit in the checker (decoding the top-k
+    payloads as the closer did, and computing unstored bases along their chains), and
     ``gm.align`` loads exactly the newest commits, which beat a fresh model."""
     result_path, aligned_path = tmp_path / "result.json", tmp_path / "aligned.safetensors"
     argv = [
@@ -281,6 +284,7 @@ def test_sparseloco_processes_commit_verified_rounds_that_align_loads(
         f"--fragments={FRAGMENTS}",
         "--algorithm=sparseloco",
         "--compression=topk:0.1:2",
+        "--dense-every=3",  # most commits' parameters are computed, not stored
         "--min-rounds=8",  # node-0's sync points: 96 steps / 12 per fragment, 4 fragments
         f"--round-timeout={TEST_TIMEOUT}",
         f"--lease-timeout={TEST_TIMEOUT}",
@@ -301,6 +305,7 @@ def test_sparseloco_processes_commit_verified_rounds_that_align_loads(
     manifest = p.decode_manifest(p.MANIFEST, asyncio.run(rounds.box.get(p.MANIFEST)))
     assert manifest.algorithm["name"] == "sparseloco"
     assert manifest.algorithm["compression"]["density"] == 0.1
+    assert {c.stored for c in committed.values()} == {True, False}
     assert summary["verified"] == len(committed)
     assert all(c["ok"] for c in summary["commits"])
     # The contributions are top-k payloads, not parameters: one of them, decoded.
@@ -310,8 +315,10 @@ def test_sparseloco_processes_commit_verified_rounds_that_align_loads(
     assert stored
     assert all("#" in name for name in stored), sorted(stored)[:4]
     aligned = load_file(aligned_path)
+    algorithm = from_manifest(manifest.algorithm)
     for f, r in enumerate(newest):
-        params = asyncio.run(get_tensors(rounds.box, committed[r].params, manifest.fragments[f]))
+        specs = manifest.fragments[f]
+        params = asyncio.run(commit_tensors(rounds.box, algorithm, specs, committed[r]))
         for name, tensor in params.items():
             assert torch.equal(aligned[name], tensor), (f, r, name)
     assert summary["aligned_loss"] < summary["fresh_loss"]

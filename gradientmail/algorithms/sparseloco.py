@@ -44,6 +44,10 @@ class SparseLoCo(DiLoCo):
     nesterov: bool = False
     compression: Compression | None = _DEFAULT
     error_decay: float = 0.95
+    dense_every: int = 1
+    """A round's closer stores the commit's parameters at every ``dense_every``-th round
+    of the fragment only (1: every round); the others' are computed by whoever needs them
+    from the newest stored commit and the rounds' contributions (``engine/chain.py``)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -55,6 +59,9 @@ class SparseLoCo(DiLoCo):
             )
         if self.compression is None:
             raise ValueError(f"{name}(compression=None): SparseLoCo needs a compressor")
+        every = self.dense_every
+        if type(every) is not int or every < 1:
+            raise ValueError(f"{name}(dense_every={every!r}) must be an int >= 1 (rounds)")
         decay = self.error_decay
         if isinstance(decay, bool) or not isinstance(decay, int | float) or not 0 < decay <= 1:
             raise ValueError(f"{name}(error_decay={decay!r}) must be a number in (0, 1]")
@@ -66,6 +73,8 @@ class SparseLoCo(DiLoCo):
     def settings(self) -> dict[str, Any]:
         settings = super().settings()
         settings["error_decay"] = self.error_decay
+        if self.dense_every != 1:
+            settings["dense_every"] = self.dense_every
         return settings
 
     def state_specs(self, specs: Sequence[TensorSpec]) -> tuple[TensorSpec, ...]:

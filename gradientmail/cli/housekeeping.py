@@ -121,6 +121,11 @@ async def plan_sweep(box: Mailbox, url: str, keep_rounds: int, orphans: bool) ->
     """What to delete (reads only)."""
     manifest = await require_manifest(box, url)
     fragments = manifest.num_fragments
+    # Commits whose parameters are not stored (dense_every=K) are computed from the newest
+    # stored one and the rounds since: those rounds stay, as the closers keep them.
+    every = manifest.algorithm.get("dense_every", 1)
+    if isinstance(every, int) and every > 1:
+        keep_rounds = max(keep_rounds, every + 1)
     round_keys, snapshot_keys, claim_keys, beat_keys, blob_keys, resume_keys = await asyncio.gather(
         box.list(p.ROUNDS),
         box.list(p.SNAPSHOTS),

@@ -119,8 +119,10 @@ def _checked(url: str) -> tuple[Mailbox, p.Manifest]:
 async def _align(
     box: Mailbox, url: str, manifest: p.Manifest
 ) -> tuple[dict[str, Any], dict[int, int]]:
-    from gradientmail.payload import get_tensors
+    from gradientmail.algorithms.base import from_manifest
+    from gradientmail.engine.chain import commit_tensors
 
+    algorithm = from_manifest(manifest.algorithm)
     for attempt in range(3):
         newest = _newest(await box.list(p.ROUNDS), manifest.num_fragments)
         missing = [f for f in range(manifest.num_fragments) if f not in newest]
@@ -133,7 +135,7 @@ async def _align(
                     key = p.round_key(r)
                     commit = p.decode_commit(key, await box.get(key))
                     specs = manifest.fragments[fragment]
-                    tensors.update(await get_tensors(box, commit.params, specs))
+                    tensors.update(await commit_tensors(box, algorithm, specs, commit))
                     advance(1)
         except ProtocolError as exc:
             if "missing" in str(exc) and attempt < 2:
@@ -235,7 +237,10 @@ async def _verify(
                     mismatches.append(f"round {r}: {exc}")
                 advance(1)
                 continue
-            needed = {commit.params} | {c.payload for c in commit.contributors}
+            # Unstored parameters (dense_every) are not in the listing: their hash is checked.
+            needed = {c.payload for c in commit.contributors}
+            if commit.stored:
+                needed.add(commit.params)
             base = None
             if r >= fragments:
                 base_key = p.round_key(r - fragments)
@@ -246,7 +251,8 @@ async def _verify(
                     except ProtocolError:
                         base = None  # reported as that round's own mismatch
                     else:
-                        needed |= {base.params} | ({base.momentum} if base.momentum else set())
+                        needed |= {base.params} if base.stored else set()
+                        needed |= {base.momentum} if base.momentum else set()
             if (r >= fragments and base is None) or not needed <= blobs:
                 unverifiable.append(r)
                 advance(1)

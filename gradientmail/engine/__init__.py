@@ -9,5 +9,7 @@
   contributions that cannot be loaded, combine, commit, sweep.
 - ``sums.py``: a round's weighted sums, streamed part by part from the mailbox into one
   accumulator (the closer and verify share it).
+- ``chain.py``: a commit's parameters whether stored or not (``SparseLoCo(dense_every=K)``):
+  downloaded, or computed from the newest stored commit and the rounds' contributions.
 - ``verify.py``: recomputing a commit from its record and the previous commit.
 """

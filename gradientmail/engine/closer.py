@@ -49,13 +49,14 @@ from gradientmail.coord.election import abandoned, claim
 from gradientmail.coord.leases import LeaseTracker
 from gradientmail.coord.retry import retrying
 from gradientmail.coord.sweep import sweep_after
+from gradientmail.engine.chain import commit_tensors
 from gradientmail.engine.layout import ModelLayout
 from gradientmail.engine.sums import Member, Unusable, weighted_sums
 from gradientmail.errors import ProtocolError
 from gradientmail.events import Committed, Event
 from gradientmail.ledger import GLOBAL, MOMENTUM
 from gradientmail.mailbox import Mailbox
-from gradientmail.payload import get_tensors, put_tensors
+from gradientmail.payload import get_tensors, payload_key, put_tensors
 from gradientmail.payload.buffers import BufferPool
 from gradientmail.payload.stream import read_into
 from gradientmail.wire.parts import blob_keys
@@ -308,8 +309,8 @@ class RoundCloser:
         specs = self.layout.specs[r % self.layout.count]
         base = await self._base(r)
         if base_params is None:
-            base_params = await retrying(
-                partial(get_tensors, self.box, base.params, specs, purpose=GLOBAL)
+            base_params = await commit_tensors(
+                self.box, self.algorithm, specs, base, purpose=GLOBAL
             )
         momentum: dict[str, torch.Tensor] | None = None
         if base.momentum is not None:
@@ -460,11 +461,20 @@ class RoundCloser:
             self.layout.buffer_names(fragment),
         )
         # Both payloads encode side by side, sharing one limit on the parts held at once.
+        # A stateless algorithm with dense_every=K stores the parameters at every K-th round
+        # of the fragment only; the record names their hash all the same (engine/chain.py).
+        store = (r // self.layout.count) % _dense_every(self.algorithm) == 0
         limit = asyncio.Semaphore(_PARTS_HELD)
-        (params_key, _), (momentum_key, _) = await asyncio.gather(
-            retrying(partial(put_tensors, self.box, params, limit=limit)),
-            retrying(partial(put_tensors, self.box, new_momentum, limit=limit)),
-        )
+        if store:
+            (params_key, _), (momentum_key, _) = await asyncio.gather(
+                retrying(partial(put_tensors, self.box, params, limit=limit)),
+                retrying(partial(put_tensors, self.box, new_momentum, limit=limit)),
+            )
+        else:
+            params_key = await asyncio.to_thread(payload_key, params)
+            momentum_key, _ = await retrying(
+                partial(put_tensors, self.box, new_momentum, limit=limit)
+            )
         # Cached whether the round record below wins or loses: they are momentum_key's
         # bytes. One fragment's only: the others' would pin a fragment each between rounds.
         self._momentum.clear()
@@ -489,6 +499,7 @@ class RoundCloser:
                 if base_totals is None
                 else base_totals.after(sum(c.samples for c in contributors))
             ),
+            stored=store,
         )
         key = p.round_key(r)
         # Payloads first, then the record that points at them.
@@ -549,9 +560,21 @@ class RoundCloser:
         """Delete what no recent commit needs (:func:`gradientmail.coord.sweep.sweep_after`),
         then forget the records of the rounds swept."""
         base = self._records.get(commit.round - self.layout.count)
-        old = await sweep_after(self.box, commit, self.layout.count, self.keep_rounds, base)
+        # Unstored commits are computed from the newest stored one before them and the
+        # rounds' contributions: keep every round back to it, for this commit and its base.
+        keep = self.keep_rounds
+        every = _dense_every(self.algorithm)
+        if every > 1:
+            keep = max(keep, every + 1)
+        old = await sweep_after(self.box, commit, self.layout.count, keep, base)
         for r in [r for r in self._records if r <= old]:
             del self._records[r]
+
+
+def _dense_every(algorithm: Algorithm) -> int:
+    """Every how many rounds of a fragment its parameters are stored (1: every round)."""
+    every = getattr(algorithm, "dense_every", 1)
+    return every if isinstance(every, int) and every >= 1 else 1
 
 
 def _finish(

@@ -46,10 +46,11 @@ from typing import TypeVar
 import torch
 
 from gradientmail import wire as p
-from gradientmail.algorithms.base import Algorithm
+from gradientmail.algorithms.base import Algorithm, from_manifest
 from gradientmail.coord.election import abandoned
 from gradientmail.coord.leases import DEFAULT_LEASE_TIMEOUT, LeaseTracker
 from gradientmail.coord.retry import retrying
+from gradientmail.engine.chain import commit_tensors
 from gradientmail.engine.layout import ModelLayout
 from gradientmail.errors import PayloadCorrupt, ProtocolError
 from gradientmail.ledger import GLOBAL
@@ -335,11 +336,18 @@ def newest_per_fragment(keys: Sequence[str], fragments: int) -> dict[int, int]:
 
 
 async def load_newest(
-    box: Mailbox, layout: ModelLayout, deadline: float | None = None
+    box: Mailbox,
+    layout: ModelLayout,
+    deadline: float | None = None,
+    *,
+    algorithm: Algorithm | None = None,
 ) -> tuple[dict[int, int], dict[int, dict[str, torch.Tensor]]]:
-    """Download the newest readable commit of every fragment; return rounds and verified
+    """Download the newest readable commit of every fragment (computed along its chain when
+    its parameters are not stored: ``engine/chain.py``); return rounds and verified
     tensors. A newest record that cannot be read (truncated, malformed) is reported and the
-    one before it is used: one bad object must not keep every joiner (and align) out."""
+    one before it is used: one bad object must not keep every joiner (and align) out.
+    ``algorithm``: the run's (default: read from its manifest when a commit's parameters
+    must be computed)."""
     keys = await retrying(lambda: box.list(p.ROUNDS), deadline=deadline)
     by_fragment: dict[int, list[int]] = {}
     for r in sorted(round_keys(keys)):
@@ -356,10 +364,15 @@ async def load_newest(
             try:
                 data = await retrying(partial(box.get, key), deadline=deadline)
                 commit = p.decode_commit(key, data)
-                values = await retrying(
-                    partial(
-                        get_tensors, box, commit.params, layout.specs[fragment], purpose=GLOBAL
-                    ),
+                if algorithm is None and not commit.stored:
+                    data = await retrying(partial(box.get, p.MANIFEST), deadline=deadline)
+                    algorithm = from_manifest(p.decode_manifest(p.MANIFEST, data).algorithm)
+                values = await commit_tensors(
+                    box,
+                    algorithm,
+                    layout.specs[fragment],
+                    commit,
+                    purpose=GLOBAL,
                     deadline=deadline,
                 )
             except (ProtocolError, PayloadCorrupt) as exc:

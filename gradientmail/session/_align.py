@@ -23,9 +23,9 @@ async def _align(model: torch.nn.Module, box: Mailbox, timeout: float) -> dict[i
     deadline = time.monotonic() + timeout
     manifest_bytes = await _wait_for(box, p.MANIFEST, deadline, "align")
     manifest = p.decode_manifest(p.MANIFEST, manifest_bytes)
-    from_manifest(manifest.algorithm)  # settings this release understands
+    algorithm = from_manifest(manifest.algorithm)  # settings this release understands
     layout = ModelLayout.for_run(model, manifest)  # ProtocolError naming any difference
-    rounds, tensors = await load_newest(box, layout, deadline)
+    rounds, tensors = await load_newest(box, layout, deadline, algorithm=algorithm)
     if manifest.frozen_payload is not None:
         frozen = await retrying(
             partial(get_tensors, box, manifest.frozen_payload, manifest.frozen), deadline=deadline

@@ -33,14 +33,14 @@ from gradientmail.coord.heartbeat import Heartbeat
 from gradientmail.coord.leases import LeaseTracker
 from gradientmail.coord.retry import Stopped, retrying
 from gradientmail.coord.threads import Wake
+from gradientmail.engine.chain import commit_tensors, step_from_contributions
 from gradientmail.engine.closer import RoundCloser
 from gradientmail.engine.layout import ModelLayout
-from gradientmail.engine.sums import Member, Unusable, weighted_sums
 from gradientmail.errors import ProtocolError
 from gradientmail.events import Counters, Event, PollFailed, Published, PublishFailed, RoundFailed
 from gradientmail.ledger import GLOBAL
 from gradientmail.mailbox import Mailbox
-from gradientmail.payload import get_tensors, put_tensors, stored_key
+from gradientmail.payload import get_tensors, put_tensors
 from gradientmail.payload.buffers import BufferPool
 from gradientmail.payload.stream import read_into
 from gradientmail.session._state import _TICK, _log_event, _Pending, _poll_delay, _Staged
@@ -301,7 +301,6 @@ class _Background:
         with self._lock:
             known, params = self._last_commit[fragment]
         specs = self._layout.specs[fragment]
-        buffers = self._layout.buffer_names(fragment)
         for commit in commits:
             if commit.round <= known:
                 continue
@@ -311,43 +310,31 @@ class _Background:
                 pending = self._inflight.get(fragment)
                 own = (
                     (pending.payload, pending.compressed)
-                    if pending is not None and pending.compressed is not None
+                    if pending is not None
+                    and pending.payload is not None
+                    and pending.compressed is not None
                     else None
                 )
-            members = [
-                Member(
-                    c.learner,
-                    c.samples,
-                    c.payload,
-                    own[1] if own is not None and c.payload == own[0] else None,
-                )
-                for c in sorted(commit.contributors, key=lambda c: c.learner)
-            ]
-            sums = self._globals.take(params)
             try:
-                await weighted_sums(
-                    self._box, self.algorithm, specs, buffers, members, commit.closer, sums
+                params = await retrying(
+                    partial(
+                        step_from_contributions,
+                        self._box,
+                        self.algorithm,
+                        specs,
+                        commit,
+                        params,
+                        own,
+                        self._globals.take(params),
+                    ),
+                    stop=self._stop,
                 )
-                params = await asyncio.to_thread(_step, self.algorithm, params, sums, buffers)
-                # The record names the closer's bytes: these must hash the same.
-                found = await retrying(
-                    partial(stored_key, self._box, params, commit.params), stop=self._stop
-                )
-            except (Unusable, ProtocolError) as exc:
+            except ProtocolError as exc:
                 self._emit(
                     PollFailed(
                         self.learner_id,
                         error=f"round {commit.round}: cannot compute it from its "
-                        f"contributions ({exc}); downloading its parameters",
-                    )
-                )
-                return None
-            if found != commit.params:
-                self._emit(
-                    PollFailed(
-                        self.learner_id,
-                        error=f"round {commit.round}: the parameters computed from its "
-                        f"contributions are not the ones its record names; downloading them",
+                        f"contributions ({exc}); loading its parameters instead",
                     )
                 )
                 return None
@@ -437,6 +424,8 @@ class _Background:
         if params is not None:
             with self._lock:
                 self._counters.computed += 1
+        elif not newest.stored:  # computed along its chain (engine/chain.py)
+            params = await commit_tensors(self._box, self.algorithm, specs, newest, purpose=GLOBAL)
         elif like.keys() == {spec.name for spec in specs}:
             # Streamed part by part into a pooled buffer: the download holds a few parts,
             # and the buffer a previous commit of any fragment released.
@@ -465,14 +454,3 @@ class _Background:
         for c in commits:
             self._closer.forget(c.round)
         self._changed.set()
-
-
-def _step(
-    algorithm: Algorithm,
-    base: dict[str, torch.Tensor],
-    sums: dict[str, torch.Tensor],
-    buffers: frozenset[str],
-) -> dict[str, torch.Tensor]:
-    """A stateless algorithm's commit from its base and the round's sums (as its closer)."""
-    with torch.no_grad():
-        return algorithm.finish(base, None, sums, buffer_names=buffers)[0]

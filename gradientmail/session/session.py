@@ -414,7 +414,9 @@ class Session(_TrainingSide, _Background, _Resuming):
         # A restarted learner continues its own beat numbers (its leaving beat of a
         # previous life removed first, or it would read as gone for good).
         await self._heartbeat.start(deadline=deadline)
-        rounds, tensors = await load_newest(self._box, self._layout, deadline)
+        rounds, tensors = await load_newest(
+            self._box, self._layout, deadline, algorithm=self.algorithm
+        )
         for fragment, values in tensors.items():
             self._layout.load(fragment, values)
             self._ref[fragment] = values

@@ -215,7 +215,10 @@ def decode_commit(key: str, data: bytes | None) -> Commit:
         attempt=reader.integer("attempt"),
         excluded=tuple(excluded),
         totals=totals,
+        stored=reader.flag("stored") if "stored" in reader.obj else True,
     )
+    if not commit.stored and commit.base is None:
+        raise ProtocolError(f"{key}: an initial commit must store its parameters")
     if key.startswith(ROUNDS) and parse_round_key(key) != commit.round:
         raise ProtocolError(f"{key}: the record says round {commit.round}")
     return commit

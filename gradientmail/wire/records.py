@@ -67,6 +67,8 @@ class CommitWire(TypedDict):
     excluded: NotRequired[list[ExclusionWire]]
     # Added later, and written only when known: the fragment's running totals (see Totals).
     totals: NotRequired[TotalsWire]
+    # Added later, and written only when false: the parameters are not stored (see Commit).
+    stored: NotRequired[bool]
 
 
 class SnapshotWire(TypedDict):
@@ -260,6 +262,13 @@ class Commit:
     ``totals``: the fragment's running totals including this round (:class:`Totals`), or
     ``None`` when not known: a record written before they existed, or built on one (a
     closer computes them from its base's only). Left out of the wire when ``None``.
+
+    ``stored``: whether the payload ``params`` names is in the mailbox. A stateless
+    compressed algorithm's closer writes the parameters only every ``dense_every`` rounds
+    of a fragment (``SparseLoCo(dense_every=K)``); the other records still name the key
+    those parameters have (their hash), and readers compute them from the newest stored
+    commit before them and the rounds' contributions (``engine/chain.py``). Left out of the
+    wire when true.
     """
 
     round: int
@@ -273,6 +282,7 @@ class Commit:
     format: int = FORMAT_VERSION
     excluded: tuple[Exclusion, ...] = ()
     totals: Totals | None = None
+    stored: bool = True
 
     @property
     def samples(self) -> int:
@@ -303,6 +313,8 @@ class Commit:
             ]
         if self.totals is not None:
             wire["totals"] = self.totals.to_wire()
+        if not self.stored:
+            wire["stored"] = False
         return wire
 
 
