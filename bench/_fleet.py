@@ -189,6 +189,16 @@ class Result:
     closer_snapshot_down: list[float] = field(default_factory=list)
     closer_momentum_down: list[float] = field(default_factory=list)
     closer_seconds: list[float] = field(default_factory=list)
+    # Window deltas of ``session.counters()`` per learner per committed round: bytes up and
+    # down (all key kinds), the same by key kind, and commits applied / computed from their
+    # contributions (SparseLoCo) instead of downloaded.
+    up: float = 0.0
+    down: float = 0.0
+    up_by_kind: dict[str, float] = field(default_factory=dict)
+    down_by_kind: dict[str, float] = field(default_factory=dict)
+    applied: float = 0.0
+    computed: float = 0.0
+    label: str = ""  # the algorithm's label when the run was given one (Run(label=))
 
 
 @dataclass
@@ -209,8 +219,15 @@ class Run:
         learners: int,
         fragments: int,
         params: int,
+        *,
+        algorithm: gm.Algorithm | None = None,
+        label: str = "",
     ):
+        """``algorithm``: what the learners run (default: ``gm.DiLoCo(sync_every=
+        args.sync_every, fragments=fragments)``); ``label`` names it in progress lines."""
         self.args = args
+        self.algorithm = algorithm
+        self.label = label
         self.params = params
         # Rounds of P fragments carry 1/P of the model each: measure more of them (twice as
         # many when P > 1), so the window holds whole cycles of fragments.
@@ -272,11 +289,13 @@ class Run:
     def _execute(self, box: gm.Mailbox) -> Result:
         args = self.args
         name = f"{self.target.name} L={self.n} P={self.p}"
+        if self.label:
+            name = f"{name} {self.label}"
         base = build_model(self.params, self.p)
         total_params = sum(x.numel() for x in base.parameters())
         param_bytes = sum(x.numel() * x.element_size() for x in base.parameters())
         fragment_bytes = param_bytes / self.p
-        algorithm = gm.DiLoCo(sync_every=args.sync_every, fragments=self.p)
+        algorithm = self.algorithm or gm.DiLoCo(sync_every=args.sync_every, fragments=self.p)
 
         ref_step: list[float] = []
         if args.ref_steps:
@@ -376,6 +395,7 @@ class Run:
         )
         result.ref_step = ref_step
         result.cpu_seconds = cpu1 - cpu0
+        result.label = self.label
         return result
 
     def _close(self, learner: Learner, errors: list[str]) -> None:
@@ -418,6 +438,18 @@ class Run:
             for key, value in b.requests.items():
                 requests_by[key] += value - a.requests.get(key, 0)
         skipped = sum(b.skipped_syncs - a.skipped_syncs for a, b in zip(c0, c1, strict=True))
+
+        def by_kind(name: str) -> dict[str, float]:
+            kinds: Counter[str] = Counter()
+            for a, b in zip(c0, c1, strict=True):
+                before, after = getattr(a, name), getattr(b, name)
+                for key, value in after.items():
+                    kinds[key] += value - before.get(key, 0)
+            return {k: v / per for k, v in kinds.items()}
+
+        def count(name: str) -> float:
+            done = sum(getattr(b, name) - getattr(a, name) for a, b in zip(c0, c1, strict=True))
+            return float(done) / per
 
         # Commit latency: the learners' own Applied.lag_s, for rounds in the window.
         window = range(r0 + 1, r1 + 1)
@@ -474,6 +506,12 @@ class Run:
             closer_snapshot_down=[self._closer_down(closing, r, "snapshot") for r in closed],
             closer_momentum_down=[self._closer_down(closing, r, "momentum") for r in closed],
             closer_seconds=[closing.record[r] - closing.claim[r] for r in closed],
+            up=delta("bytes_up") / per,
+            down=delta("bytes_down") / per,
+            up_by_kind=by_kind("bytes_up"),
+            down_by_kind=by_kind("bytes_down"),
+            applied=count("applied"),
+            computed=count("computed"),
         )
 
     def _closing(self) -> Closing:

@@ -186,7 +186,6 @@ class _TrainingSide:
     def _contribute_all(self, deadline: float) -> list[int]:
         """Contribute every fragment with steps not yet contributed and wait for all of this
         learner's rounds in flight; the rounds still waited for at ``deadline``."""
-        counted: set[int] = set()
         # A contribution can miss its round: the round closed without it (round_timeout)
         # before it was published, and its steps went back to the fragment. Then it goes
         # again, to the next round, until every step is in a commit or the deadline passes
@@ -200,10 +199,11 @@ class _TrainingSide:
                     continue
                 if self._samples == self._counted[fragment]:
                     continue
-                if fragment not in counted:  # one sync point, however many passes
-                    counted.add(fragment)
-                    with self._lock:
-                        self._counters.sync_points += 1
+                # Each hand-over is a sync point: one that missed its round was published
+                # (counted so) and its steps go again, as a contribution of their own; so
+                # published + skipped = sync points holds however many passes it takes.
+                with self._lock:
+                    self._counters.sync_points += 1
                 # All fragments at once, not one after another: a learner with nothing new
                 # for fragment 0 would hand fragment 1 over while the others still wait
                 # in fragment 0's round for it, and the two rounds could close without
