@@ -188,23 +188,17 @@ def killing(*nodes: Node) -> Iterator[None]:
 # -- a. spec 004's end-to-end check ----------------------------------------------------------
 
 
-def test_spec_setup_commits_verified_rounds_and_align_loads_the_newest(
-    store: Store, tmp_path: Path
-) -> None:
+def run_synthetic(store: Store, tmp_path: Path, *options: str) -> tuple[dict[str, Any], Path]:
+    """examples/synthetic.py's whole run (2 nodes, a checker): its summary, and the file of
+    the parameters ``gm.align`` loaded in the checker."""
     result_path, aligned_path = tmp_path / "result.json", tmp_path / "aligned.safetensors"
-    steps, batch = {"node-0": 400, "node-1": 100}, 32
-    schedule = sync_points(gm.DiLoCo(sync_every=SYNC_EVERY, fragments=FRAGMENTS), 400)
     argv = [
         sys.executable,
         str(SCRIPT),
         f"--mailbox={store.url}",
         "--nodes=2",
-        f"--steps={steps['node-0']},{steps['node-1']}",
-        f"--batch-size={batch}",
         f"--sync-every={SYNC_EVERY}",
         f"--fragments={FRAGMENTS}",
-        # The script's own count is a floor of 30; the test checks the exact schedule below.
-        f"--min-rounds={sum(schedule.values())}",
         # While both nodes train, a round waits for both (it closes early once both
         # contributed, so this is a bound only a failure reaches), and a live node is never
         # judged gone: every round of that span holds both, however loaded the machine.
@@ -216,6 +210,7 @@ def test_spec_setup_commits_verified_rounds_and_align_loads_the_newest(
         f"--timeout={RUN_LIMIT}",
         f"--result={result_path}",
         f"--aligned={aligned_path}",
+        *options,
     ]
     run = subprocess.run(
         argv, cwd=REPO, stdin=subprocess.DEVNULL, capture_output=True, text=True,
@@ -224,6 +219,22 @@ def test_spec_setup_commits_verified_rounds_and_align_loads_the_newest(
     assert run.returncode == 0, f"{run.stdout}\n{run.stderr}"
     summary = json.loads(result_path.read_text())
     assert summary["ok"], summary["failures"]
+    return summary, aligned_path
+
+
+def test_spec_setup_commits_verified_rounds_and_align_loads_the_newest(
+    store: Store, tmp_path: Path
+) -> None:
+    steps, batch = {"node-0": 400, "node-1": 100}, 32
+    schedule = sync_points(gm.DiLoCo(sync_every=SYNC_EVERY, fragments=FRAGMENTS), 400)
+    summary, aligned_path = run_synthetic(
+        store,
+        tmp_path,
+        f"--steps={steps['node-0']},{steps['node-1']}",
+        f"--batch-size={batch}",
+        # The script's own count is a floor of 30; the test checks the exact schedule below.
+        f"--min-rounds={sum(schedule.values())}",
+    )
 
     # Every commit in the mailbox was seen by the checker, and each one recomputed to the
     # same bytes as the closer's.
@@ -273,33 +284,15 @@ def test_sparseloco_processes_commit_verified_rounds_that_align_loads(
     third round: every commit recomputes bit for bit in the checker (decoding the top-k
     payloads as the closer did, and computing unstored bases along their chains), and
     ``gm.align`` loads exactly the newest commits, which beat a fresh model."""
-    result_path, aligned_path = tmp_path / "result.json", tmp_path / "aligned.safetensors"
-    argv = [
-        sys.executable,
-        str(SCRIPT),
-        f"--mailbox={store.url}",
-        "--nodes=2",
+    summary, aligned_path = run_synthetic(
+        store,
+        tmp_path,
         "--steps=96,48",
-        f"--sync-every={SYNC_EVERY}",
-        f"--fragments={FRAGMENTS}",
         "--algorithm=sparseloco",
         "--compression=topk:0.1:2",
         "--dense-every=3",  # most commits' parameters are computed, not stored
         "--min-rounds=8",  # node-0's sync points: 96 steps / 12 per fragment, 4 fragments
-        f"--round-timeout={TEST_TIMEOUT}",
-        f"--lease-timeout={TEST_TIMEOUT}",
-        "--keep-rounds=100000",
-        f"--timeout={RUN_LIMIT}",
-        f"--result={result_path}",
-        f"--aligned={aligned_path}",
-    ]
-    run = subprocess.run(
-        argv, cwd=REPO, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-        timeout=RUN_LIMIT + 30,
-    )  # fmt: skip
-    assert run.returncode == 0, f"{run.stdout}\n{run.stderr}"
-    summary = json.loads(result_path.read_text())
-    assert summary["ok"], summary["failures"]
+    )
     rounds = Rounds(store.open())
     committed = rounds.refresh()
     manifest = p.decode_manifest(p.MANIFEST, asyncio.run(rounds.box.get(p.MANIFEST)))
