@@ -7,7 +7,8 @@
 - ``learner``: one GradientMail learner: joins the run through ``gm.Session`` on the given
   mailbox, waits at a ``gm.Barrier`` until all learners joined, trains its own shard, closes;
   reports its counters, the time ``step()`` held the thread, the sync points it reached and
-  skipped, and each commit's lag in inner steps.
+  skipped, each commit's lag in inner steps, and its algorithm's settings (``DiLoCo(H, F)``,
+  or the job's ``algorithm``: a compressed DiLoCo or SparseLoCo, see ``make_algorithm``).
 - ``evaluate``: after the learners finished, as a user would: ``gm.align`` into a fresh
   model and the validation loss of that model; then the loss curve from the run's commits
   (the newest commit of each fragment at or before each checkpoint, read from ``rounds/``).
@@ -87,6 +88,25 @@ def counters_json(counters: Any) -> dict[str, Any]:
 # -- learner ---------------------------------------------------------------------------------
 
 
+def make_algorithm(gm: Any, spec: Mapping[str, Any] | None, h_every: int, fragments: int) -> Any:
+    """The learner's algorithm: ``gm.DiLoCo(sync_every=H, fragments=F)`` without ``spec``;
+    else ``spec["name"]`` (``"diloco"`` or ``"sparseloco"``) with ``spec["settings"]``
+    (``outer_lr``, ``error_decay``, ...) and ``spec["compression"]``, a compressor's settings
+    (``{"name": "topk", "density": 0.02, "bits": 2}``, ``{"name": "cast", ...}``,
+    ``{"name": "quantize", ...}``)."""
+    if not spec:
+        return gm.DiLoCo(sync_every=h_every, fragments=fragments)
+    kwargs: dict[str, Any] = {"sync_every": h_every, "fragments": fragments}
+    kwargs.update(spec.get("settings") or {})
+    compression = spec.get("compression")
+    if compression:
+        kinds = {"topk": gm.TopK, "cast": gm.Cast, "quantize": gm.Quantize}
+        fields = {k: v for k, v in compression.items() if k != "name"}
+        kwargs["compression"] = kinds[compression["name"]](**fields)
+    kinds = {"diloco": gm.DiLoCo, "sparseloco": gm.SparseLoCo}
+    return kinds[spec.get("name", "diloco")](**kwargs)
+
+
 def learner(job: Mapping[str, Any]) -> dict[str, Any]:
     import gradientmail as gm
 
@@ -104,7 +124,7 @@ def learner(job: Mapping[str, Any]) -> dict[str, Any]:
     batches = _lm.Batches(shards[index], index, sizes.batch, sizes.context, sizes.seed)
     box = open_box(job["mailbox"])
     lid = _lm.learner_id(index)
-    algorithm = gm.DiLoCo(sync_every=h_every, fragments=fragments)
+    algorithm = make_algorithm(gm, job.get("algorithm"), h_every, fragments)
 
     lock = threading.Lock()
     events: list[tuple[str, dict[str, Any]]] = []
@@ -228,6 +248,7 @@ def learner(job: Mapping[str, Any]) -> dict[str, Any]:
         "events": kinds,
         "failures": failures,
         "train_loss": _lm.tail_mean(losses),
+        "algorithm": algorithm.settings(),
         **_library(),
     }
 

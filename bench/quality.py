@@ -22,16 +22,25 @@ other packages; single-file modules). Every arm sees the same samples, the same 
   commit lag the ``diloco`` arm measured, the local progress made meanwhile kept;
 - ``solo-average``: the M learners never syncing, averaged once at the end.
 
+On request (``compression_arms``, or their names or ``compression`` among ``arms``), the
+compressed contributions: ``diloco-topk-*``, ``diloco-bf16``, ``diloco-int8`` (``gm.DiLoCo``
+with ``compression=gm.TopK(...)``, ``gm.Cast("bfloat16")``, ``gm.Quantize(bits=8)``) and
+``sparseloco-2%``, ``sparseloco-1%`` (``gm.SparseLoCo``), each run like the ``diloco`` arm of
+the smallest H and F (learner processes, file mailbox, ``gm.align``), and reported against
+it: loss, and bytes per learner per round applied.
+
 Where ``gm.Session`` has an ``overlap`` setting, the ``diloco`` arms run with its default,
 and one more arm (H = the smallest, F = 1) on the other side of it: ``overlap=0`` (must
 match ``reference``) where the default overlaps, else ``overlap=H/5`` (must match
 ``reference-late``; its gap to ``reference`` is the price of overlap).
 
     .venv/bin/python -m bench quality [--quick | --large]
+    .venv/bin/python -m bench.quality --quick --arms diloco-H25-F1,compression
 """
 
 from __future__ import annotations
 
+import argparse
 import inspect
 import json
 import math
@@ -99,6 +108,57 @@ def sizes_for(ctx: h.Context) -> _lm.Sizes:
         steps=800,
         fast_steps=800,
     )
+
+
+# -- compressed contributions ----------------------------------------------------------------
+
+
+def _topk(density: float, bits: int) -> dict[str, Any]:
+    return {"name": "diloco", "compression": {"name": "topk", "density": density, "bits": bits}}
+
+
+COMPRESSION_ARMS: dict[str, dict[str, Any]] = {
+    # In the order they run: the ones that matter most first.
+    "sparseloco-2%": {"name": "sparseloco"},  # its defaults: TopK 2%, 2 bits, outer_lr 1
+    "diloco-topk-2%-2b": _topk(0.02, 2),
+    "diloco-bf16": {"name": "diloco", "compression": {"name": "cast", "dtype": "bfloat16"}},
+    "diloco-int8": {"name": "diloco", "compression": {"name": "quantize", "bits": 8}},
+    "sparseloco-1%": {
+        "name": "sparseloco",
+        "compression": {"name": "topk", "density": 0.01, "bits": 2},
+    },
+    "diloco-topk-1%-2b": _topk(0.01, 2),
+    "diloco-topk-5%-2b": _topk(0.05, 2),
+    "diloco-topk-2%-4b": _topk(0.02, 4),
+    "diloco-topk-2%-8b": _topk(0.02, 8),
+}
+"""Arm name -> the learners' algorithm (``_quality_worker.make_algorithm``): everything else
+is the ``diloco`` arm's (H, F, learners, data, steps, file mailbox)."""
+
+
+def describe_algorithm(settings: Mapping[str, Any] | None) -> str:
+    """An ``Algorithm.settings()`` (what a learner reports) in words."""
+    if not settings:
+        return "-"
+    c = settings.get("compression")
+    if not c:
+        words = "dense (parameters)"
+    elif c["name"] == "topk":
+        words = f"TopK {100 * c['density']:g}%, {c['bits']} bits"
+    elif c["name"] == "cast":
+        words = f"Cast {c['dtype']}"
+    elif c["name"] == "quantize":
+        words = f"Quantize {c['bits']} bits"
+    else:
+        words = str(c)
+    if settings.get("name") == "sparseloco":
+        words = (
+            f"SparseLoCo: {words}, outer_lr {settings['outer_lr']:g}, "
+            f"error_decay {settings['error_decay']:g}"
+        )
+    elif c:
+        words = f"DiLoCo: {words}"
+    return words
 
 
 # -- child processes -------------------------------------------------------------------------
@@ -254,6 +314,7 @@ class Arm:
     late: int | None = None
     mixing: float | None = None  # Streaming DiLoCo's blend of a late commit (None: rebase)
     backend: str = ""
+    algorithm: dict[str, Any] | None = None  # compressed arms: the learners' algorithm
     final_loss: float = math.nan
     curve: list[tuple[int, float]] = field(default_factory=list)
     wall_s: float = math.nan
@@ -273,9 +334,21 @@ class Arm:
             parts.append(f"mixing={self.mixing}")
         if self.late is not None:
             parts.append(f"N={self.late}")
+        for key, value in sorted(((self.algorithm or {}).get("settings") or {}).items()):
+            parts.append(f"{key}={value:g}")
         if self.backend:
             parts.append(self.backend)
         return " ".join(parts) or "-"
+
+    @property
+    def compressed(self) -> bool:
+        """A compressed-contributions arm (``COMPRESSION_ARMS``)."""
+        return self.algorithm is not None
+
+    @property
+    def gradientmail(self) -> bool:
+        """Learner processes through ``gm.Session`` (diloco*, compressed arms)."""
+        return self.arm.startswith("diloco") or self.compressed
 
     def label(self) -> str:
         model = " (tiny)" if self.family == "fast" else ""
@@ -378,6 +451,7 @@ class Bench:
                     "fragments": arm.fragments,
                     "overlap": arm.overlap,
                     "mixing": arm.mixing,
+                    **({"algorithm": arm.algorithm} if arm.algorithm is not None else {}),
                     "mailbox": mailbox,
                     "timeout": timeout - 60,
                 },
@@ -609,8 +683,8 @@ def _run(
     h_main = hs[0]
     arms_filter: set[str] | None = set(options["arms"]) if options.get("arms") else None
 
-    def wanted(name: str) -> bool:
-        return arms_filter is None or name in arms_filter
+    def wanted(*names: str) -> bool:
+        return arms_filter is None or any(name in arms_filter for name in names)
 
     # 1. The diloco arms, each alone on the machine (M learner processes).
     diloco_arms: list[Arm] = []
@@ -647,8 +721,27 @@ def _run(
     if wanted("diloco-fast"):
         diloco_arms.append(Arm("diloco-fast", "diloco-fast", "fast", h_main, 1, backend="file"))
     for arm in diloco_arms:
-        if wanted(arm.arm):
+        if wanted(arm.arm, arm.key):
             bench.run_diloco(arm, bench.file_box)
+    # On request: compressed contributions, each like the diloco arm of the smallest H and F,
+    # the most telling first; with a time budget, those that would overrun it are skipped.
+    budget = options.get("max_seconds")
+    last = 0.0
+    skipped: list[str] = []
+    for arm in compression_arms(options, arms_filter, h_main, min(sizes.fragments)):
+        if budget is not None and time.monotonic() - started + last > float(budget):
+            skipped.append(arm.arm)
+            continue
+        t0 = time.monotonic()
+        bench.run_diloco(arm, bench.file_box)
+        last = time.monotonic() - t0
+    if skipped:
+        h.progress(f"compressed arms skipped for the time budget: {', '.join(skipped)}")
+        report.notes.append(
+            f"compressed arms not run (the run would have passed {float(budget):.0f} s): "
+            + ", ".join(skipped)
+        )
+        report.data["compression_skipped"] = skipped
 
     # 2. The arms computed in one process, a few at a time.
     specs: list[tuple[Arm, Job]] = []
@@ -750,10 +843,39 @@ def _run(
     report.data["png"] = write_plot(bench, png, main_params, fast_params)
 
 
+def compression_arms(
+    options: Mapping[str, Any], arms_filter: set[str] | None, h_every: int, fragments: int
+) -> list[Arm]:
+    """The compressed arms asked for: every one with ``options["compression_arms"]`` or
+    ``compression`` among the arms, else those named there (none by default).
+    ``options["sparseloco"]`` (``outer_lr``, ``error_decay``) tunes the SparseLoCo arms."""
+    every = bool(options.get("compression_arms")) or "compression" in (arms_filter or ())
+    tuning = dict(options.get("sparseloco") or {})
+    arms = []
+    for name, algorithm in COMPRESSION_ARMS.items():
+        if not every and name not in (arms_filter or ()):
+            continue
+        algorithm = dict(algorithm)
+        if algorithm["name"] == "sparseloco" and tuning:
+            algorithm["settings"] = dict(algorithm.get("settings") or {}) | tuning
+        arms.append(
+            Arm(
+                f"{name}-H{h_every}-F{fragments}",
+                name,
+                "main",
+                h_every,
+                fragments,
+                backend="file",
+                algorithm=algorithm,
+            )
+        )
+    return arms
+
+
 def compare_params(bench: Bench, torch: Any) -> None:
     """Max |aligned - reference| per GradientMail arm: is it the algorithm, bit for bit?"""
     for arm in bench.arms.values():
-        if arm.family and arm.arm.startswith("diloco") and not arm.error:
+        if arm.family and arm.arm.startswith("diloco") and not arm.compressed and not arm.error:
             suffix = "-fast" if arm.family == "fast" else ""
             ref = f"reference{suffix}-H{arm.sync_every}-F{arm.fragments}"
             a, b = bench.params.get(arm.key), bench.params.get(ref)
@@ -886,7 +1008,7 @@ def build_report(
         arms.values(),
         key=lambda a: (
             a.family == "fast",
-            order.index(a.arm) if a.arm in order else 2,
+            order.index(a.arm) if a.arm in order else 3.5 if a.compressed else 2,
             a.sync_every or 0,
             a.fragments or 0,
             a.overlap if a.overlap is not None else -1,
@@ -913,6 +1035,7 @@ def build_report(
             "overlap": a.overlap,
             "late": a.late,
             "backend": a.backend,
+            **({"algorithm": a.algorithm} if a.compressed else {}),
             "final_loss": a.final_loss,
             "ratio_to_ddp": a.final_loss / d.final_loss if d else None,
             "vs_reference": a.final_loss / ref.final_loss - 1 if ref else None,
@@ -972,7 +1095,7 @@ def build_report(
         ),
     )
     for a in ordered:
-        if not a.arm.startswith("diloco") or a.error:
+        if not a.gradientmail or a.error:
             continue
         info = a.data
         skipped = info.get("skipped")
@@ -1031,6 +1154,7 @@ def build_report(
             ys = dict(a.curve)
             curve.add(a.arm, a.setting, *[f"{ys[x]:.3f}" if x in ys else "" for x in checkpoints])
 
+    compression_table(report, ordered, sizes)
     targets(report, bench, ordered, has_overlap, default_overlap, reference_of, late_of, ddp)
     report.data.update(
         {
@@ -1063,6 +1187,178 @@ def build_report(
             )
 
 
+def per_round(learners: Sequence[Mapping[str, Any]], rounds_committed: int) -> dict[str, Any]:
+    """Bytes per learner per round: each learner's ``bytes_up`` and ``bytes_down`` (summed
+    over kinds) over the rounds it applied (``Counters.applied``; the rounds committed where
+    the counter is missing or zero), averaged over the learners."""
+    ups, downs, applied, computed = [], [], [], []
+    for r in learners:
+        c = r["counters"]
+        n = c.get("applied") or rounds_committed
+        if not n:
+            continue
+        applied.append(n)
+        computed.append(c.get("computed") or 0)
+        ups.append(c.get("bytes_up_total", math.nan) / n)
+        downs.append(c.get("bytes_down_total", math.nan) / n)
+    up, down = _mean(ups), _mean(downs)
+    return {
+        "applied": _mean(applied),
+        "computed": _mean(computed),
+        "up": up,
+        "down": down,
+        "total": up + down,
+    }
+
+
+def contribution_bytes(settings: Mapping[str, Any] | None, numels: Sequence[int]) -> float:
+    """One learner's contribution to one round, as encoded: every parameter tensor's
+    ``Compression.encoded_bytes`` (dense: float32), over the fragments (exact for F = 1)."""
+    if not settings or not numels:
+        return math.nan
+    c = settings.get("compression")
+    if c:
+        from gradientmail.algorithms.compression import compression_from_settings
+
+        codec = compression_from_settings(c)
+        total = sum(codec.encoded_bytes(n) for n in numels)
+    else:
+        total = 4 * sum(numels)
+    return total / int(settings.get("fragments") or 1)
+
+
+def compression_table(
+    report: h.Report, ordered: Sequence[Arm], sizes: _lm.Sizes | None = None
+) -> None:
+    """Compressed arms against dense DiLoCo of the same H and F, same run: loss and bytes
+    (the encoded contribution from the main model's parameter sizes, with ``sizes``)."""
+    compressed = [a for a in ordered if a.compressed]
+    if not compressed:
+        return
+    numels: list[int] = []
+    if sizes is not None:
+        model = _lm.build_model(sizes.model, sizes.context, sizes.seed)
+        numels = [t.numel() for t in model.parameters()]
+
+    def dense_of(arm: Arm) -> Arm | None:
+        return next(
+            (
+                b
+                for b in ordered
+                if b.arm == "diloco"
+                and b.overlap is None
+                and b.mixing is None
+                and (b.sync_every, b.fragments) == (arm.sync_every, arm.fragments)
+                and not b.error
+            ),
+            None,
+        )
+
+    table = report.table(
+        "Compressed contributions against dense DiLoCo (same H, F, learners, data, run)",
+        [
+            "arm",
+            "setting",
+            "algorithm",
+            "final loss",
+            "vs dense diloco",
+            "rounds applied / learner",
+            "up / learner / round",
+            "down / learner / round",
+            "up+down / learner / round",
+            "dense / compressed: up",
+            "dense / compressed: up+down",
+            "contribution (encoded)",
+            "dense / compressed: contribution",
+        ],
+        note=(
+            "Bytes: each learner's `session.counters()` bytes_up and bytes_down summed over "
+            "key kinds (payloads and records alike), over the rounds it applied "
+            "(`Counters.applied`), averaged over the learners. `vs dense diloco`: "
+            "final validation loss against the `diloco` arm of the same H and F in this run "
+            "(ratio, and the difference in %). SparseLoCo learners compute commits from the "
+            "rounds' compressed contributions instead of downloading parameters (their "
+            "`computed` counter, in brackets after the rounds). Contribution: what one "
+            "learner's contribution to a round encodes to (`encoded_bytes` of every parameter "
+            "tensor, float32 when dense; over F): the closer's commit upload (parameters, and "
+            "DiLoCo's momentum) and the commit downloads are not compressed, and dominate "
+            "the totals of a small model."
+        ),
+    )
+    rows: list[dict[str, Any]] = []
+    bases = []
+    for a in compressed:
+        base = dense_of(a)
+        if base is not None and base not in bases:
+            bases.append(base)
+    for a in [*bases, *compressed]:
+        base = a if not a.compressed else dense_of(a)
+        if a.error:
+            table.add(a.arm, a.setting, "", f"ERROR: {a.error}", *[""] * 9)
+            rows.append({"key": a.key, "arm": a.arm, "error": a.error})
+            continue
+        learners = a.data.get("learners") or []
+        settings = learners[0].get("algorithm") if learners else a.algorithm
+        mine = per_round(learners, a.data.get("rounds_committed", 0))
+        ref = (
+            per_round(base.data.get("learners") or [], base.data["rounds_committed"])
+            if base
+            else None
+        )
+        base_learners = (base.data.get("learners") or []) if base else []
+        sent = contribution_bytes(settings, numels)
+        sent_dense = (
+            contribution_bytes(base_learners[0].get("algorithm"), numels)
+            if base_learners
+            else math.nan
+        )
+        applied = _num(mine["applied"], "{:.1f}") + (
+            f" ({_num(mine['computed'], '{:.1f}')} computed)" if mine["computed"] else ""
+        )
+        table.add(
+            a.arm,
+            a.setting,
+            describe_algorithm(settings),
+            f"{a.final_loss:.4f}",
+            (
+                f"{h.ratio(a.final_loss, base.final_loss, 4)} "
+                f"({_pct(a.final_loss, base.final_loss)})"
+                if base
+                else "no dense diloco arm"
+            ),
+            applied,
+            h.size(mine["up"]),
+            h.size(mine["down"]),
+            h.size(mine["total"]),
+            h.ratio(ref["up"], mine["up"], 1) if ref else "-",
+            h.ratio(ref["total"], mine["total"], 1) if ref else "-",
+            h.size(sent),
+            h.ratio(sent_dense, sent, 1),
+        )
+        rows.append(
+            {
+                "key": a.key,
+                "arm": a.arm,
+                "algorithm": settings,
+                "final_loss": a.final_loss,
+                "dense": base.key if base else None,
+                "vs_dense": a.final_loss / base.final_loss - 1 if base else None,
+                "bytes_per_round": mine,
+                "dense_over_compressed_up": _div(ref["up"], mine["up"]) if ref else None,
+                "dense_over_compressed_total": (_div(ref["total"], mine["total"]) if ref else None),
+                "contribution_bytes": sent,
+                "dense_over_compressed_contribution": _div(sent_dense, sent),
+            }
+        )
+    report.data["compression"] = rows
+
+
+def _div(value: float, by: float) -> float | None:
+    if math.isnan(value) or math.isnan(by) or by == 0:
+        return None
+    return value / by
+
+
 def _file_twin(arms: Mapping[str, Arm], arm: Arm) -> str | None:
     """The file-mailbox diloco arm of the same setting as ``arm``."""
     for other in arms.values():
@@ -1085,15 +1381,18 @@ def targets(
     late_of: Callable[[Arm], Arm | None],
     ddp: Mapping[str, Arm | None],
 ) -> None:
-    gm_arms = [a for a in ordered if a.arm.startswith("diloco") and not a.error]
+    gm_arms = [a for a in ordered if a.gradientmail and not a.error]
     for a in ordered:
-        if a.arm.startswith("diloco") and a.error:
+        if a.gradientmail and a.error:
             report.target(f"{a.label()} ran", "failed", "runs", False, a.error)
-    exact = [a for a in gm_arms if effective_overlap(a, has_overlap, default_overlap) == 0]
-    free = [a for a in gm_arms if a not in exact]
+    # Compressed arms are not the reference's algorithm: their table compares them with
+    # dense DiLoCo; only the rounds target below applies to them.
+    dense = [a for a in gm_arms if not a.compressed]
+    exact = [a for a in dense if effective_overlap(a, has_overlap, default_overlap) == 0]
+    free = [a for a in dense if a not in exact]
     # Without overlap: every diloco arm equals reference. Before the setting exists, every
     # arm is measured against it (the issue: "until then, measure what exists").
-    for a in exact if has_overlap else gm_arms:
+    for a in exact if has_overlap else dense:
         ref = reference_of(a)
         if ref is None:
             continue
@@ -1284,8 +1583,14 @@ def write_plot(bench: Bench, path: Path, main_params: int, fast_params: int) -> 
             ax.plot(
                 xs,
                 ys,
-                color="tab:red" if exact else colours.get(a.arm, "tab:brown"),
-                linestyle="--" if (a.fragments or 1) > 1 else "-",
+                color=(
+                    "tab:red"
+                    if exact
+                    else None  # compressed arms: the colour cycle, dotted
+                    if a.compressed
+                    else colours.get(a.arm, "tab:brown")
+                ),
+                linestyle=":" if a.compressed else "--" if (a.fragments or 1) > 1 else "-",
                 marker="o",
                 markersize=3,
                 label=a.label(),
@@ -1306,3 +1611,74 @@ def write_plot(bench: Bench, path: Path, main_params: int, fast_params: int) -> 
     plt.close(fig)
     h.progress(f"plot: {path}")
     return str(path)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m bench.quality``: this benchmark alone, with its own options."""
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.quality",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="small sizes")
+    size.add_argument("--large", action="store_true", help="the issue's full ranges (slow)")
+    parser.add_argument(
+        "--arms",
+        default="",
+        help="comma-separated arm names or keys to run (default: all but the compressed "
+        "ones), e.g. diloco-H25-F1,sparseloco-2%%; `compression` names every compressed arm: "
+        + ", ".join(COMPRESSION_ARMS).replace("%", "%%"),
+    )
+    parser.add_argument(
+        "--compression-arms",
+        action="store_true",
+        help="add every compressed arm to the selection (they run against the diloco arm "
+        "of the smallest H and F)",
+    )
+    parser.add_argument(
+        "--max-minutes",
+        type=float,
+        default=None,
+        help="start no compressed arm that would end past this (the last arm's time as the "
+        "estimate); the report names those skipped",
+    )
+    parser.add_argument("--sparseloco-outer-lr", type=float, default=None)
+    parser.add_argument("--sparseloco-error-decay", type=float, default=None)
+    parser.add_argument("--no-s3", action="store_true", help="skip the SeaweedFS arm")
+    parser.add_argument("--json", type=Path, default=None, help="also write the JSON record")
+    args = parser.parse_args(argv)
+    options: dict[str, Any] = {"s3": not args.no_s3}
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    if arms:
+        options["arms"] = arms
+    if args.compression_arms:
+        options["compression_arms"] = True
+    if args.max_minutes is not None:
+        options["max_seconds"] = 60 * args.max_minutes
+    tuning = {
+        key: value
+        for key, value in (
+            ("outer_lr", args.sparseloco_outer_lr),
+            ("error_decay", args.sparseloco_error_decay),
+        )
+        if value is not None
+    }
+    if tuning:
+        options["sparseloco"] = tuning
+    from bench.__main__ import run_suite
+
+    return run_suite(
+        [NAME],
+        quick=args.quick,
+        large=args.large,
+        options={
+            NAME: options,
+            "json_path": str(args.json) if args.json is not None else None,
+        },
+        json_path=args.json,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -36,7 +36,7 @@ TINY = _lm.Sizes(
 )
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(900)  # a bound on a hang, not a speed: loaded CI machines are slow
 def test_quality_benchmark_runs_every_arm(tmp_path: Path) -> None:
     ctx = h.Context(
         quick=True,
@@ -84,3 +84,73 @@ def test_quality_benchmark_runs_every_arm(tmp_path: Path) -> None:
         assert Path(report.data["png"]).exists()
     else:
         assert report.data["png"].startswith("not written")
+
+
+def test_compression_arms_selection_and_table() -> None:
+    """Pure: which compressed arms a selection runs, and their table from learners' counters."""
+    assert quality.compression_arms({}, None, 25, 1) == []  # not in the default run
+    assert quality.compression_arms({}, {"diloco"}, 25, 1) == []
+    named = quality.compression_arms({}, {"sparseloco-2%", "diloco-bf16"}, 25, 1)
+    assert [a.arm for a in named] == ["sparseloco-2%", "diloco-bf16"]  # priority order
+    assert named[0].key == "sparseloco-2%-H25-F1"
+    assert named[0].gradientmail
+    every = quality.compression_arms({"compression_arms": True}, {"diloco"}, 25, 4)
+    assert [a.arm for a in every] == list(quality.COMPRESSION_ARMS)
+    assert all(a.compressed and a.fragments == 4 for a in every)
+    tuned = quality.compression_arms({"sparseloco": {"outer_lr": 0.7}}, {"compression"}, 25, 1)
+    assert tuned[0].algorithm == {"name": "sparseloco", "settings": {"outer_lr": 0.7}}
+    assert "outer_lr=0.7" in tuned[0].setting
+
+    def learners(up: int, down: int, settings: dict[str, object]) -> list[dict[str, object]]:
+        counters = {"bytes_up_total": up, "bytes_down_total": down, "applied": 10}
+        return [{"counters": counters, "algorithm": settings}] * _lm.LEARNERS
+
+    dense = quality.Arm("diloco-H25-F1", "diloco", "main", 25, 1, backend="file")
+    dense.final_loss = 2.0
+    dense.data = {"learners": learners(1000, 3000, {"name": "diloco"}), "rounds_committed": 10}
+    sparse = tuned[0]
+    sparse.final_loss = 2.1
+    topk = {"name": "topk", "density": 0.02, "bits": 2, "chunk": 4096}
+    settings = {"name": "sparseloco", "outer_lr": 0.7, "error_decay": 1, "compression": topk}
+    sparse.data = {
+        "learners": learners(100, 300, settings),
+        "rounds_committed": 10,
+    }
+    report = h.Report("quality", "t", "-")
+    quality.compression_table(report, [dense, sparse], TINY)
+    rows = {row["arm"]: row for row in report.data["compression"]}
+    assert rows["diloco"]["bytes_per_round"]["total"] == 400
+    assert rows["sparseloco-2%"]["bytes_per_round"] == {
+        "applied": 10,
+        "computed": 0,
+        "up": 10,
+        "down": 30,
+        "total": 40,
+    }
+    assert rows["sparseloco-2%"]["dense_over_compressed_total"] == 10
+    assert math.isclose(rows["sparseloco-2%"]["vs_dense"], 0.05)
+    assert rows["sparseloco-2%"]["dense_over_compressed_contribution"] > 1
+    rendered = report.render()
+    assert "SparseLoCo: TopK 2%, 2 bits, outer_lr 0.7, error_decay 1" in rendered
+    assert "+5.00%" in rendered
+
+
+def test_compression_arms_build_their_algorithms() -> None:
+    """Every compressed arm's spec makes the algorithm its name says (what learners run)."""
+    import gradientmail as gm
+    from bench._quality_worker import make_algorithm
+
+    assert make_algorithm(gm, None, 25, 4) == gm.DiLoCo(sync_every=25, fragments=4)
+    built = {
+        name: make_algorithm(gm, spec, 25, 1) for name, spec in quality.COMPRESSION_ARMS.items()
+    }
+    assert built["sparseloco-2%"] == gm.SparseLoCo(sync_every=25, fragments=1)
+    assert built["sparseloco-1%"].compression == gm.TopK(density=0.01, bits=2)
+    assert built["diloco-topk-2%-8b"].compression == gm.TopK(density=0.02, bits=8)
+    assert built["diloco-bf16"].compression == gm.Cast("bfloat16")
+    assert built["diloco-int8"].compression == gm.Quantize(bits=8)
+    words = {name: quality.describe_algorithm(a.settings()) for name, a in built.items()}
+    assert words["diloco-topk-5%-2b"] == "DiLoCo: TopK 5%, 2 bits"
+    assert words["sparseloco-2%"].startswith("SparseLoCo: TopK 2%, 2 bits, outer_lr 1,")
+    tuned = make_algorithm(gm, {"name": "sparseloco", "settings": {"error_decay": 0.9}}, 25, 1)
+    assert tuned.error_decay == 0.9
