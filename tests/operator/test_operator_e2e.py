@@ -26,6 +26,10 @@ HANDLERS = ROOT / "operator/gradientmail_operator/handlers.py"
 # A whole training run on a loaded 2-core machine: 3 nodes of 1500 steps took over 240 s
 # with a second CI run and two busy loops beside the suite (a bound, not an expectation).
 RUN_TIMEOUT = max(TEST_TIMEOUT, 30) * 20
+# The suite's hang guard (pytest-timeout, 300 s) must not end a wait before its own bound:
+# three CI runs and two busy loops beside each other took a whole run past 300 s (still
+# training, not stuck). A test waits for up to three such runs' worth of conditions.
+pytestmark = pytest.mark.timeout(3 * RUN_TIMEOUT + 120)
 OPERATOR_ENV = {
     # The default safety interval (60 s): pods and runs are watched, so every change of
     # theirs must wake the reconcile by itself.
