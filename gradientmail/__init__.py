@@ -16,7 +16,8 @@ here (``__all__``); everything else is private to its package. The layers, lowes
   patterns and the CLI alike.
 - ``payload/``: tensors <-> content-addressed safetensors bytes (no pickle), buffer pools.
 - ``algorithms/``: the :class:`Algorithm` protocol the engine calls, :class:`DiLoCo`,
-  :class:`SparseLoCo`, and the compressors of contributions (:class:`TopK`,
+  :class:`SparseLoCo`, :class:`Moshpit` (small averaging groups on a grid), and the
+  compressors of contributions (:class:`TopK`,
   :class:`Cast`, :class:`Quantize`).
 - ``engine/``: a model as fragments (``layout``), joining and creator failover (``join``),
   closing rounds (``closer``), recomputing commits (``verify``, public as ``gm.verify``).
@@ -50,7 +51,15 @@ from gradientmail.patterns.barrier import Barrier
 from gradientmail.patterns.shared_queue import SharedQueue, shared_queue
 
 if TYPE_CHECKING:
-    from gradientmail.algorithms import Algorithm, Cast, DiLoCo, Quantize, SparseLoCo, TopK
+    from gradientmail.algorithms import (
+        Algorithm,
+        Cast,
+        DiLoCo,
+        Moshpit,
+        Quantize,
+        SparseLoCo,
+        TopK,
+    )
     from gradientmail.engine import verify
     from gradientmail.session import Session, align
 
@@ -66,6 +75,7 @@ __all__ = [
     "MailboxUnavailable",
     "MemoryMailbox",
     "MemoryUsage",
+    "Moshpit",
     "PayloadCorrupt",
     "ProtocolError",
     "Quantize",
@@ -89,6 +99,7 @@ _TORCH_NAMES = {
     "Session": ("gradientmail.session", "Session"),
     "DiLoCo": ("gradientmail.algorithms", "DiLoCo"),
     "SparseLoCo": ("gradientmail.algorithms", "SparseLoCo"),
+    "Moshpit": ("gradientmail.algorithms", "Moshpit"),
     "TopK": ("gradientmail.algorithms", "TopK"),
     "Cast": ("gradientmail.algorithms", "Cast"),
     "Quantize": ("gradientmail.algorithms", "Quantize"),

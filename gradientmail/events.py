@@ -14,6 +14,7 @@ __all__ = [
     "Applied",
     "Committed",
     "Event",
+    "GroupMissed",
     "Joined",
     "Left",
     "PollFailed",
@@ -80,6 +81,15 @@ class Committed(Event):
     contributors: tuple[str, ...]
     adopted: bool
     excluded: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class GroupMissed(Event):
+    """A Moshpit contribution came after its group had closed without it: this learner
+    keeps its own parameters and catches up to the newest group round next time."""
+
+    round: int
+    group: str
 
 
 @dataclass(frozen=True)
@@ -157,6 +167,7 @@ class Counters:
     # Commits this learner computed from their rounds' compressed contributions instead of
     # downloading their parameters (SparseLoCo: algorithms/contribution.py).
     computed: int = 0
+    missed_groups: int = 0  # Moshpit: contributions that came after their group closed
     skipped_syncs: int = 0  # sync points passed without contributing (free_running only)
     sync_points: int = 0  # sync points training reached (every fragment's, close()/sync() too)
     waits: int = 0  # times step()/sync()/close() held the training thread for a commit

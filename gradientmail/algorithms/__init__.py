@@ -6,6 +6,8 @@
   sample-weighted pseudo-gradients, streamed by fragments.
 - ``sparseloco.py``: :class:`SparseLoCo`, DiLoCo with error feedback in place of outer
   momentum, over top-k compressed pseudo-gradients.
+- ``moshpit.py``: :class:`Moshpit`, local training averaged in small groups that rotate
+  over a virtual grid (Moshpit SGD), and the grid arithmetic (group keys, indices).
 - ``compression.py``: the compressors (:class:`TopK`, :class:`Cast`, :class:`Quantize`):
   deterministic encode and decode of one tensor's pseudo-gradient.
 - ``contribution.py``: a learner's compressed contribution with error feedback, and how a
@@ -15,6 +17,7 @@
 from gradientmail.algorithms.base import Algorithm, from_manifest
 from gradientmail.algorithms.compression import Cast, Compression, Quantize, TopK
 from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.algorithms.moshpit import Moshpit
 from gradientmail.algorithms.sparseloco import SparseLoCo
 
 __all__ = [
@@ -22,6 +25,7 @@ __all__ = [
     "Cast",
     "Compression",
     "DiLoCo",
+    "Moshpit",
     "Quantize",
     "SparseLoCo",
     "TopK",

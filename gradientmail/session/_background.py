@@ -35,6 +35,7 @@ from gradientmail.coord.retry import Stopped, retrying
 from gradientmail.coord.threads import Wake
 from gradientmail.engine.chain import commit_tensors, step_from_contributions
 from gradientmail.engine.closer import RoundCloser
+from gradientmail.engine.groups import GroupRounds
 from gradientmail.engine.layout import ModelLayout
 from gradientmail.errors import ProtocolError
 from gradientmail.events import Counters, Event, PollFailed, Published, PublishFailed, RoundFailed
@@ -86,6 +87,7 @@ class _Background:
     _delta_downloads: bool
     _last_commit: list[tuple[int, dict[str, torch.Tensor]]]
     _wake_save: Wake
+    _groups: GroupRounds | None  # a Moshpit run's group rounds (session/_groups.py)
 
     def _thread_main(self, loop: Callable[[], object]) -> None:
         async def main() -> None:
@@ -147,7 +149,10 @@ class _Background:
                         pending = self._outbox.popleft() if self._outbox else None
                     if pending is None:
                         break
-                    await self._publish(pending)
+                    if self._groups is not None:
+                        await self._group_publish(pending)  # type: ignore[attr-defined]
+                    else:
+                        await self._publish(pending)
                     self._wake_sync.set()  # from now on the syncer polls at the fast rate
                     next_check = 0.0  # a new snapshot may complete a round: look now
                 with self._lock:
@@ -157,7 +162,10 @@ class _Background:
                     leases = await retrying(partial(self._box.list, p.LEASES), stop=self._stop)
                     self._tracker.observe(leases)
                     for pending in open_rounds:
-                        await self._close(pending)
+                        if self._groups is not None:
+                            await self._group_close(pending)  # type: ignore[attr-defined]
+                        else:
+                            await self._close(pending)
             except Stopped:
                 return
             except Exception as exc:

@@ -19,6 +19,7 @@ import torch
 from gradientmail import wire as p
 from gradientmail.events import (
     Event,
+    GroupMissed,
     Joined,
     Left,
     PollFailed,
@@ -75,6 +76,7 @@ class _Pending:
     # the error feedback this learner keeps once the contribution is in a commit.
     compressed: dict[str, torch.Tensor] | None = None
     residual: dict[str, torch.Tensor] | None = None
+    group: str | None = None  # Moshpit: the group it was published to (round: its round)
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,7 @@ def _log_event(event: Event) -> None:
         )
     elif isinstance(event, Joined | Left):
         _log.info("%s: %s", event.learner, event)
-    elif isinstance(event, SyncSkipped):
+    elif isinstance(event, SyncSkipped | GroupMissed):
         _log.info("%s: skipped a sync point: %s", event.learner, event)
     else:  # Published, Committed, Applied, SyncWaited within its bound
         _log.debug("%s: %s", event.learner, event)

@@ -38,10 +38,12 @@ import torch
 from gradientmail import wire as p
 from gradientmail.algorithms.base import Algorithm
 from gradientmail.algorithms.contribution import compression_of
+from gradientmail.algorithms.moshpit import Moshpit
 from gradientmail.coord.heartbeat import Heartbeat
 from gradientmail.coord.leases import LeaseTracker, beating
 from gradientmail.coord.threads import Wake, run_coroutine
 from gradientmail.engine.closer import RoundCloser
+from gradientmail.engine.groups import GroupRounds, download_average, newest_group_round
 from gradientmail.engine.join import establish, load_newest
 from gradientmail.engine.layout import ModelLayout
 from gradientmail.errors import ProtocolError
@@ -57,7 +59,7 @@ from gradientmail.mailbox import Mailbox
 from gradientmail.mailbox.metered import Metered
 from gradientmail.payload._malloc import share_arenas
 from gradientmail.payload.buffers import BufferPool
-from gradientmail.session._background import _Background
+from gradientmail.session._groups import _GroupSide
 from gradientmail.session._resume import _Resuming
 from gradientmail.session._state import _default_learner_id, _Pending, _Staged
 from gradientmail.session._training import _NEVER, _TrainingSide
@@ -67,7 +69,7 @@ __all__ = ["Session"]
 _log = logging.getLogger("gradientmail")
 
 
-class Session(_TrainingSide, _Background, _Resuming):
+class Session(_TrainingSide, _GroupSide, _Resuming):
     """Join a run as ``learner_id`` and train ``model`` in it.
 
     ``overlap``: how many local steps a contribution's commit may be applied late (0: exact
@@ -207,6 +209,22 @@ class Session(_TrainingSide, _Background, _Resuming):
             global_pool=self._globals,
         )
 
+        # A Moshpit run averages in small groups (engine/groups.py), not in run-wide rounds.
+        self._groups = (
+            GroupRounds(
+                self._box,
+                self._layout,
+                algorithm,
+                self.learner_id,
+                self._tracker,
+                round_timeout=round_timeout,
+                claim_timeout=float(claim_timeout),
+                keep_rounds=keep_rounds,
+            )
+            if isinstance(algorithm, Moshpit)
+            else None
+        )
+
         # Training-thread state (the lock guards what the background threads also touch).
         self._steps = 0
         self._start_step = 0  # the step count this life starts from (a resume's, or 0)
@@ -257,13 +275,16 @@ class Session(_TrainingSide, _Background, _Resuming):
                 name=f"gm-comm-{self.learner_id}",
                 daemon=True,
             ),
-            threading.Thread(
-                target=self._thread_main,
-                args=(self._sync,),
-                name=f"gm-sync-{self.learner_id}",
-                daemon=True,
-            ),
         ]
+        if self._groups is None:  # a Moshpit learner's group commits come to its comm thread
+            self._threads.append(
+                threading.Thread(
+                    target=self._thread_main,
+                    args=(self._sync,),
+                    name=f"gm-sync-{self.learner_id}",
+                    daemon=True,
+                )
+            )
         for thread in self._threads:
             thread.start()
 
@@ -417,6 +438,8 @@ class Session(_TrainingSide, _Background, _Resuming):
         rounds, tensors = await load_newest(
             self._box, self._layout, deadline, algorithm=self.algorithm
         )
+        if self._groups is not None:
+            await self._join_groups(tensors, rounds)
         for fragment, values in tensors.items():
             self._layout.load(fragment, values)
             self._ref[fragment] = values
@@ -425,6 +448,22 @@ class Session(_TrainingSide, _Background, _Resuming):
                 self._last_commit[fragment] = (rounds[fragment], values)
         self._emit(Joined(self.learner_id, creator=creator, rounds=tuple(self._applied)))
         return creator
+
+    async def _join_groups(
+        self, tensors: dict[int, dict[str, torch.Tensor]], rounds: dict[int, int]
+    ) -> None:
+        """A Moshpit learner's slot, and the model it starts from: the average of the
+        newest group round's commits when the run has any (a late joiner), else the initial
+        commit. Its group rounds continue from that round."""
+        groups = self._groups
+        assert groups is not None
+        assert isinstance(self.algorithm, Moshpit)
+        await groups.join()
+        commits = await newest_group_round(self._box)
+        if not commits:
+            return
+        tensors[0] = await download_average(self._box, self.algorithm, self._layout, commits)
+        rounds[0] = groups.last_round = commits[0].round
 
     async def _check_not_live(self, deadline: float) -> None:
         """Refuse a learner id that another process is beating as right now; an earlier life

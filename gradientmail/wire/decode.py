@@ -12,9 +12,12 @@ from typing import Any, TypeVar
 from gradientmail.errors import ProtocolError
 from gradientmail.wire.keys import (
     FORMAT_VERSION,
+    GROUP_ROUNDS,
     ROUNDS,
     blob_sha,
+    check_group,
     check_learner_id,
+    parse_group_round_key,
     parse_round_key,
 )
 from gradientmail.wire.records import (
@@ -189,7 +192,12 @@ def decode_commit(key: str, data: bytes | None) -> Commit:
         payload = sub.text("payload")
         blob_sha(payload)
         contributors.append(
-            Contribution(check_learner_id(sub.text("learner")), sub.integer("samples", 1), payload)
+            Contribution(
+                check_learner_id(sub.text("learner")),
+                sub.integer("samples", 1),
+                payload,
+                _grid(sub) if "grid" in sub.obj else None,
+            )
         )
     params = reader.text("params")
     blob_sha(params)
@@ -216,12 +224,24 @@ def decode_commit(key: str, data: bytes | None) -> Commit:
         excluded=tuple(excluded),
         totals=totals,
         stored=reader.flag("stored") if "stored" in reader.obj else True,
+        group=check_group(reader.text("group")) if "group" in reader.obj else None,
     )
     if not commit.stored and commit.base is None:
         raise ProtocolError(f"{key}: an initial commit must store its parameters")
     if key.startswith(ROUNDS) and parse_round_key(key) != commit.round:
         raise ProtocolError(f"{key}: the record says round {commit.round}")
+    if key.startswith(GROUP_ROUNDS) and parse_group_round_key(key) != (commit.round, commit.group):
+        raise ProtocolError(
+            f"{key}: the record says group {commit.group!r} of round {commit.round}"
+        )
     return commit
+
+
+def _grid(reader: _Reader) -> tuple[int, ...]:
+    coords = reader.items("grid")
+    if not 1 <= len(coords) <= 8 or not all(type(c) is int and 0 <= c < 1000 for c in coords):
+        raise ProtocolError(f"{reader.key}: grid must be 1 to 8 coordinates in 0..999")
+    return tuple(coords)
 
 
 @_names_key
@@ -229,12 +249,14 @@ def decode_snapshot(key: str, data: bytes | None) -> Snapshot:
     reader = _Reader(key, data)
     payload = reader.text("payload")
     blob_sha(payload)
+    grid = _grid(reader) if "grid" in reader.obj else None  # a Moshpit group snapshot's
     return Snapshot(
         round=reader.integer("round"),
         learner=check_learner_id(reader.text("learner")),
         samples=reader.integer("samples", 1),
         payload=payload,
         base=reader.integer("base"),
+        grid=grid,
     )
 
 

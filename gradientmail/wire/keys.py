@@ -17,12 +17,22 @@ key                                 written by      holds
                                                     counters (``Session(optimizer=...)``)
 ``blobs/{sha256}``                  anyone          safetensors bytes named by their hash
 ``blobs/{sha256}.parts``            anyone          index of a payload stored in parts
+``grid/{slot:06d}``                 Moshpit learner Claim: its slot, hence its first grid cell
+``group-rounds/{t:010d}/{group}``   group closer    Commit: a Moshpit group's average
+``group-snapshots/{t:010d}/{group}/{learner}``
+                                    learner         Snapshot: its parameters for group round t
+``group-claims/{t:010d}/{group}/{attempt:04d}``
+                                    group closer    Claim: elects the group's closer
 ``barriers/{name}/{learner}``       Barrier         arrival (patterns)
 ``units/{id}``                      Shared Queue    first claim of a unit (patterns)
 ``units-reclaims/{id}/{attempt}``   Shared Queue    later claims of an abandoned unit
 ``units-done/{id}``                 Shared Queue    the unit was consumed completely
 ``units-leases/{learner}/{beat}``   Shared Queue    the queue's own lease (same rules)
 ==================================  ==============  ===========================================
+
+A Moshpit run (``algorithms/moshpit.py``) keeps only its initial commit under ``rounds/``;
+its group rounds ``t >= 1`` are numbered apart, one group per line of the grid
+(``{group}``: the other coordinates, three digits each, the active one ``x``).
 
 Rounds form one monotone sequence. With ``P`` fragments, round ``r`` carries fragment
 ``r % P``; rounds ``0 .. P-1`` hold the initial parameters (no contributors), so every
@@ -45,11 +55,17 @@ CLAIMS = "claims/"
 LEASES = "leases/"
 BLOBS = "blobs/"
 RESUME = "resume/"
+GRID = "grid/"
+GROUP_ROUNDS = "group-rounds/"
+GROUP_SNAPSHOTS = "group-snapshots/"
+GROUP_CLAIMS = "group-claims/"
 
 _ROUND_WIDTH = 10
 _ATTEMPT_WIDTH = 4
 _LEARNER_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _SHA_RE = re.compile(r"[0-9a-f]{64}")
+_SLOT_WIDTH = 6
+_GROUP_RE = re.compile(r"(x|[0-9]{3})(-(x|[0-9]{3})){0,7}")
 
 
 def check_learner_id(learner_id: object) -> str:
@@ -199,6 +215,95 @@ def parse_resume_key(key: str) -> tuple[str, int]:
     ):
         raise ProtocolError(f"{key!r} is not a resume key")
     return parts[1], int(parts[2])
+
+
+# -- Moshpit groups ------------------------------------------------------------------------
+
+
+def grid_key(slot: int) -> str:
+    if slot < 0 or slot >= 10**_SLOT_WIDTH:
+        raise ValueError(f"grid slot {slot} is out of range")
+    return f"{GRID}{slot:0{_SLOT_WIDTH}d}"
+
+
+def parse_grid_key(key: str) -> int:
+    tail = key.removeprefix(GRID)
+    if tail == key or len(tail) != _SLOT_WIDTH or not tail.isdigit():
+        raise ProtocolError(f"{key!r} is not a grid slot key (grid/ and {_SLOT_WIDTH} digits)")
+    return int(tail)
+
+
+def check_group(group: str) -> str:
+    """Return ``group`` if it is a group name (``003-x-001``), else raise ``ProtocolError``."""
+    if not _GROUP_RE.fullmatch(group) or group.count("x") != 1:
+        raise ProtocolError(f"{group!r} is not a group name (three-digit coordinates and one x)")
+    return group
+
+
+def group_round_prefix(t: int) -> str:
+    return f"{GROUP_ROUNDS}{t:0{_ROUND_WIDTH}d}/"
+
+
+def group_round_key(t: int, group: str) -> str:
+    return f"{group_round_prefix(t)}{check_group(group)}"
+
+
+def parse_group_round_key(key: str) -> tuple[int, str]:
+    """``group-rounds/{t}/{group}`` → (t, group)."""
+    parts = key.split("/")
+    if (
+        len(parts) != 3
+        or parts[0] != GROUP_ROUNDS.rstrip("/")
+        or len(parts[1]) != _ROUND_WIDTH
+        or not parts[1].isdigit()
+        or int(parts[1]) < 1
+    ):
+        raise ProtocolError(f"{key!r} is not a group round key")
+    return int(parts[1]), check_group(parts[2])
+
+
+def group_snapshots_prefix(t: int, group: str | None = None) -> str:
+    head = f"{GROUP_SNAPSHOTS}{t:0{_ROUND_WIDTH}d}/"
+    return head if group is None else f"{head}{check_group(group)}/"
+
+
+def group_snapshot_key(t: int, group: str, learner: str) -> str:
+    return f"{group_snapshots_prefix(t, group)}{learner}"
+
+
+def parse_group_snapshot_key(key: str) -> tuple[int, str, str]:
+    """``group-snapshots/{t}/{group}/{learner}`` → (t, group, learner)."""
+    parts = key.split("/")
+    if (
+        len(parts) != 4
+        or parts[0] != GROUP_SNAPSHOTS.rstrip("/")
+        or len(parts[1]) != _ROUND_WIDTH
+        or not parts[1].isdigit()
+        or not _LEARNER_RE.fullmatch(parts[3])
+    ):
+        raise ProtocolError(f"{key!r} is not a group snapshot key")
+    return int(parts[1]), check_group(parts[2]), parts[3]
+
+
+def group_claims_prefix(t: int, group: str | None = None) -> str:
+    head = f"{GROUP_CLAIMS}{t:0{_ROUND_WIDTH}d}/"
+    return head if group is None else f"{head}{check_group(group)}/"
+
+
+def group_claim_key(t: int, group: str, attempt: int) -> str:
+    if attempt < 0 or attempt >= 10**_ATTEMPT_WIDTH:
+        raise ValueError(f"group claim attempt {attempt} is out of range")
+    return f"{group_claims_prefix(t, group)}{attempt:0{_ATTEMPT_WIDTH}d}"
+
+
+def group_round_of(key: str) -> int | None:
+    """The group round a ``group-*`` key belongs to (None for any other key)."""
+    for prefix in (GROUP_ROUNDS, GROUP_SNAPSHOTS, GROUP_CLAIMS):
+        if key.startswith(prefix):
+            head = key[len(prefix) : len(prefix) + _ROUND_WIDTH]
+            if len(head) == _ROUND_WIDTH and head.isdigit():
+                return int(head)
+    return None
 
 
 # A payload stored as parts: this blob is its index (see payload/transfer.py).

@@ -40,6 +40,8 @@ class ContributionWire(TypedDict):
     learner: str
     samples: int
     payload: str
+    # A Moshpit group member's grid index in that round (absent otherwise).
+    grid: NotRequired[list[int]]
 
 
 class ExclusionWire(TypedDict):
@@ -69,6 +71,8 @@ class CommitWire(TypedDict):
     totals: NotRequired[TotalsWire]
     # Added later, and written only when false: the parameters are not stored (see Commit).
     stored: NotRequired[bool]
+    # A Moshpit group round's commit: the group's name (see Commit.group).
+    group: NotRequired[str]
 
 
 class SnapshotWire(TypedDict):
@@ -77,6 +81,8 @@ class SnapshotWire(TypedDict):
     samples: int
     payload: str
     base: int
+    # A Moshpit group snapshot: the learner's grid index in that round.
+    grid: NotRequired[list[int]]
 
 
 class ClaimWire(TypedDict):
@@ -208,9 +214,22 @@ class Manifest:
 
 @dataclass(frozen=True)
 class Contribution:
+    """One combined contribution; ``grid``: a Moshpit group member's grid index."""
+
     learner: str
     samples: int
     payload: str
+    grid: tuple[int, ...] | None = None
+
+    def to_wire(self) -> ContributionWire:
+        wire: ContributionWire = {
+            "learner": self.learner,
+            "samples": self.samples,
+            "payload": self.payload,
+        }
+        if self.grid is not None:
+            wire["grid"] = list(self.grid)
+        return wire
 
 
 @dataclass(frozen=True)
@@ -269,6 +288,10 @@ class Commit:
     those parameters have (their hash), and readers compute them from the newest stored
     commit before them and the rounds' contributions (``engine/chain.py``). Left out of the
     wire when true.
+
+    ``group``: set on a Moshpit group round's commit (``group-rounds/{t}/{group}``):
+    ``round`` is the group round ``t``, ``contributors`` the members it averaged, ``base``
+    None, ``momentum`` None. Left out of the wire when ``None``.
     """
 
     round: int
@@ -283,6 +306,7 @@ class Commit:
     excluded: tuple[Exclusion, ...] = ()
     totals: Totals | None = None
     stored: bool = True
+    group: str | None = None
 
     @property
     def samples(self) -> int:
@@ -301,7 +325,7 @@ class Commit:
             "round": self.round,
             "fragment": self.fragment,
             "base": self.base,
-            "contributors": [asdict(c) for c in self.contributors],  # type: ignore[misc]
+            "contributors": [c.to_wire() for c in self.contributors],
             "params": self.params,
             "momentum": self.momentum,
             "closer": self.closer,
@@ -315,25 +339,34 @@ class Commit:
             wire["totals"] = self.totals.to_wire()
         if not self.stored:
             wire["stored"] = False
+        if self.group is not None:
+            wire["group"] = self.group
         return wire
 
 
 @dataclass(frozen=True)
 class Snapshot:
+    """A contribution: ``base`` is the round the learner built on; ``grid`` its grid index
+    in a Moshpit group round (``None`` otherwise: left out of the wire)."""
+
     round: int
     learner: str
     samples: int
     payload: str
     base: int
+    grid: tuple[int, ...] | None = None
 
     def to_wire(self) -> SnapshotWire:
-        return {
+        wire: SnapshotWire = {
             "round": self.round,
             "learner": self.learner,
             "samples": self.samples,
             "payload": self.payload,
             "base": self.base,
         }
+        if self.grid is not None:
+            wire["grid"] = list(self.grid)
+        return wire
 
 
 @dataclass(frozen=True)
