@@ -52,7 +52,14 @@ from gradientmail.mailbox import Mailbox
 from gradientmail.payload import get_tensors, put_tensors
 from gradientmail.wire.parts import blob_keys
 
-__all__ = ["GroupOutcome", "GroupRounds", "average_of", "newest_group_round"]
+__all__ = [
+    "GroupOutcome",
+    "GroupRounds",
+    "aligned",
+    "average_of",
+    "describe_alignment",
+    "newest_group_round",
+]
 
 _log = logging.getLogger("gradientmail")
 
@@ -485,3 +492,36 @@ async def download_average(
     if excluded:
         raise ProtocolError("a group commit's payload cannot be read: " + excluded[0].reason)
     return params
+
+
+def describe_alignment(commits: Sequence[p.Commit]) -> str:
+    """What :func:`aligned` loads from ``commits`` (one group round's), in words."""
+    if not commits:
+        return "the initial commit (no group round has committed yet)"
+    t = commits[0].round
+    members = sum(len(c.contributors) for c in commits)
+    if len({c.params for c in commits}) == 1:
+        return (
+            f"group round {t}'s commit, which all its {len(commits)} groups ({members} "
+            "learners) share: the global average"
+        )
+    return (
+        f"the sample-weighted average of group round {t}'s {len(commits)} group commits "
+        f"({members} learners)"
+    )
+
+
+async def aligned(
+    box: Mailbox, algorithm: Moshpit, layout: ModelLayout
+) -> tuple[list[p.Commit], dict[str, torch.Tensor] | None]:
+    """A Moshpit run's aligned model: the newest group round's commits and their
+    sample-weighted average, or their shared parameters when every group of the round
+    committed the same (the grid has averaged everyone: the global average, loaded as it
+    is); ``([], None)`` before the first group round."""
+    commits = await newest_group_round(box)
+    if not commits:
+        return [], None
+    if len({c.params for c in commits}) == 1:
+        params = await retrying(partial(get_tensors, box, commits[0].params, layout.specs[0]))
+        return commits, params
+    return commits, await download_average(box, algorithm, layout, commits)

@@ -35,7 +35,7 @@ from gradientmail.mailbox import Mailbox
 from gradientmail.payload import get_tensors, payload_key, stored_key
 from gradientmail.wire.records import NO_TOTALS
 
-__all__ = ["Verified", "verify_commit"]
+__all__ = ["Verified", "verify_commit", "verify_group"]
 
 
 @dataclass(frozen=True)
@@ -143,4 +143,49 @@ async def verify_commit(box: Mailbox, r: int, manifest: p.Manifest | None = None
         commit.samples,
         False,
         tuple(x.learner for x in commit.excluded),
+    )
+
+
+async def verify_group(box: Mailbox, key: str, manifest: p.Manifest | None = None) -> Verified:
+    """Check a Moshpit group commit (``group-rounds/{t}/{group}``): its parameters must be
+    the sample-weighted average of its members' payloads, in learner-id order, as the
+    group's closer computes it; raise :class:`ProtocolError` otherwise. Its members'
+    payloads must still be stored (the sweep keeps the newest ``keep_rounds`` group rounds).
+    ``Verified.round`` is the group round."""
+    if manifest is None:
+        manifest = p.decode_manifest(p.MANIFEST, await _record(box, p.MANIFEST))
+    algorithm = from_manifest(manifest.algorithm)
+    t, _ = p.parse_group_round_key(key)
+    commit = p.decode_commit(key, await _record(box, key))
+    if commit.base is not None or commit.momentum is not None or commit.fragment != 0:
+        raise ProtocolError(f"{key}: a group commit has no base, momentum or fragment")
+    if not commit.contributors:
+        raise ProtocolError(f"{key}: a group commit without members")
+    learners = [c.learner for c in commit.contributors]
+    if len(set(learners)) != len(learners):
+        raise ProtocolError(f"{key}: a learner is listed twice among the members")
+    if both := sorted(set(learners) & {x.learner for x in commit.excluded}):
+        raise ProtocolError(f"{key}: {both} are listed as members and as excluded")
+    specs = manifest.fragments[0]
+    buffers = frozenset(spec.name for spec in specs if spec.kind == p.BUFFER)
+    members = [
+        Member(c.learner, c.samples, c.payload)
+        for c in sorted(commit.contributors, key=lambda c: c.learner)
+    ]
+    sums = {spec.name: torch.empty(spec.shape, dtype=torch.float32) for spec in specs}
+    try:
+        await weighted_sums(box, algorithm, specs, buffers, members, commit.closer, sums)
+    except Unusable as exc:
+        raise ProtocolError(f"{key}: {exc.cause}") from exc
+    like = {
+        spec.name: torch.empty(0, dtype=getattr(torch, spec.dtype.removeprefix("torch.")))
+        for spec in specs
+    }
+    with torch.no_grad():
+        expected, _ = algorithm.finish(like, None, sums, buffer_names=buffers)
+    found = await retrying(partial(stored_key, box, expected, commit.params))
+    if found != commit.params:
+        raise ProtocolError(f"{key}: its parameters are not the average of its members' payloads")
+    return Verified(
+        t, 0, tuple(learners), commit.samples, False, tuple(x.learner for x in commit.excluded)
     )
