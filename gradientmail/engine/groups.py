@@ -344,7 +344,7 @@ class GroupRounds:
                 if key != own_payload and key not in {c.payload for c in existing.contributors}:
                     with contextlib.suppress(Exception):
                         if key != existing.params:
-                            await self.box.delete(key)
+                            await self.box.delete([key])
                 return self._outcome(existing, None)
         self._watch.pop((t, group), None)
         return self._outcome(commit, mine)
@@ -378,8 +378,9 @@ class GroupRounds:
         # Payloads first, records after, claims last: a record never names a deleted
         # payload for longer than the sweep takes, and a round with claims left is known
         # unswept.
-        for key in [*sorted(blobs), *snaps, *doomed_records, *claims]:
-            await retrying(partial(self.box.delete, key))
+        for batch in (sorted(blobs), snaps, doomed_records, claims):
+            if batch:
+                await retrying(partial(self.box.delete, list(batch)))
         return old
 
 

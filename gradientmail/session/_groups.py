@@ -20,6 +20,7 @@ import torch
 from gradientmail import wire as p
 from gradientmail.coord.retry import Stopped, retrying
 from gradientmail.engine.groups import GroupOutcome, GroupRounds
+from gradientmail.errors import PayloadCorrupt, ProtocolError
 from gradientmail.events import Committed, GroupMissed, Published, PublishFailed, RoundFailed
 from gradientmail.ledger import GLOBAL
 from gradientmail.payload import get_tensors, put_tensors
@@ -94,14 +95,31 @@ class _GroupSide(_Background):
             outcome = await groups.try_close(t, group, payload, snapshot)
             if outcome is None:
                 return
-            params = await self._group_params(outcome, snapshot)
         except Stopped:
             raise
         except Exception as exc:
             self._emit(RoundFailed(self.learner_id, round=t, error=f"group {group}: {exc!r}"))
             return
+        unusable = False
+        try:
+            params = await self._group_params(outcome, snapshot)
+        except Stopped:
+            raise
+        except (ProtocolError, PayloadCorrupt) as exc:
+            # The group's commit names parameters that cannot be read (missing, corrupt):
+            # waiting would wedge this learner, retrying cannot mend a create-once object.
+            # It keeps its own parameters, as if it had come late, and goes on.
+            self._emit(
+                RoundFailed(
+                    self.learner_id,
+                    round=t,
+                    error=f"group {group}: its commit cannot be loaded, keeping this "
+                    f"learner's own parameters: {exc}",
+                )
+            )
+            params, unusable = snapshot, True
         commit = outcome.commit
-        if not outcome.member:
+        if unusable or not outcome.member:
             # Late: the group closed without it. Its own parameters stand in for the commit,
             # so the training thread lets go of the contribution like any other.
             commit = p.Commit(
@@ -114,11 +132,12 @@ class _GroupSide(_Background):
                 closer=self.learner_id,
                 group=group,
             )
-            with self._lock:
-                self._counters.missed_groups += 1
-            self._emit(GroupMissed(self.learner_id, round=t, group=group))
+            if not outcome.member:
+                with self._lock:
+                    self._counters.missed_groups += 1
+                self._emit(GroupMissed(self.learner_id, round=t, group=group))
         self._stage(commit, params)
-        if commit.closer == self.learner_id and outcome.member:
+        if outcome.member and not unusable and outcome.commit.closer == self.learner_id:
             with self._lock:
                 self._counters.closed += 1
             self._emit(
