@@ -41,6 +41,7 @@ BENCHMARKS: dict[str, str] = {
     "utilization": "bench.utilization",
     "memory": "bench.memory",
     "operator": "bench.operator_load",
+    "averaging": "bench.averaging",
 }
 DEFAULT = [
     "payload",
