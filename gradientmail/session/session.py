@@ -21,6 +21,12 @@ at the sync point until the round is committed and applied (exact DiLoCo); with
 bounded, counted and reported (``SyncWaited``). ``free_running=True`` keeps the old
 behaviour for who wants it: a sync point whose fragment is still in flight is skipped
 (``SyncSkipped``), never waited for.
+
+With ``algorithm=gm.Moshpit(...)`` the same loop averages in small groups instead of
+run-wide rounds (``session/_groups.py``, ``engine/groups.py``): the communication thread
+publishes to this learner's group of the next group round, closes the group or waits for
+its closer, and stages the group's average; there is no syncer thread (a group commit is
+this learner's own business, nobody else's commits are applied).
 """
 
 from __future__ import annotations
@@ -78,6 +84,12 @@ class Session(_TrainingSide, _GroupSide, _Resuming):
     snapshot)``) or, with ``mixing=α``, blends as Streaming DiLoCo does (``param ← α·param
     + (1 − α)·commit``). ``free_running=True`` never waits: a sync point whose fragment is
     still in flight is skipped (``SyncSkipped``), so fewer, longer inner phases per commit.
+
+    ``algorithm``: ``gm.DiLoCo`` (one closer per round combines every learner's
+    contribution), ``gm.SparseLoCo`` or ``gm.Moshpit`` (small groups on a grid, each closed
+    by one of its members: no closer downloads more than its group). For Moshpit,
+    ``round_timeout`` is how long a group waits for members it expects that have not come
+    (the others close it with who came) and ``quorum_size`` is not used.
 
     ``quorum_size`` contributions let a round close once ``round_timeout`` seconds passed
     without every live learner contributing. ``lease_timeout`` is how long a learner stays
