@@ -4,8 +4,9 @@
 without a command of its own. It opens its :class:`~gradientmail.Session`, waits at the
 ``start`` barrier until every node of the run has joined (so no node trains ahead while
 another is still importing torch), trains for ``GRADIENTMAIL_STEPS`` steps, leaves the
-session and waits at the ``done`` barrier. What it trains is its *task*
-(``GRADIENTMAIL_TASK``):
+session and waits at the ``done`` barrier. Its Session runs the run's algorithm
+(``GRADIENTMAIL_ALGORITHM``: DiLoCo, or Moshpit's group rounds; the rest is the same for
+both). What it trains is its *task* (``GRADIENTMAIL_TASK``):
 
 - ``lm`` (the default): the byte-level transformer language model of the quality benchmark
   (:mod:`gradientmail._lm`) on the Python standard library's own sources, node ``i`` on its

@@ -77,7 +77,7 @@ from gradientmail.cli.spec import LOCAL_DEFAULTS, LoadedSpec, load_spec
 from gradientmail.cli.table import render_run
 from gradientmail.coord.leases import DEFAULT_LEASE_TIMEOUT, beating
 from gradientmail.errors import MailboxError, ProtocolError
-from gradientmail.launch.env import NodeEnv
+from gradientmail.launch.env import ALGORITHMS, NodeEnv
 from gradientmail.launch.runspec import DEFAULT_COMMAND, learner_id, mailbox_url, node_env
 from gradientmail.mailbox import Mailbox
 from gradientmail.node import NODE_SETTINGS, LmSettings, task_of
@@ -125,9 +125,22 @@ def add_parser(sub: Any) -> None:
         "--sync-every", type=int, help=f"spec.algorithm.syncEvery ({defaults['syncEvery']})"
     )
     group.add_argument(
-        "--fragments", type=int, help=f"spec.algorithm.fragments ({defaults['fragments']})"
+        "--fragments",
+        type=int,
+        help=f"spec.algorithm.fragments ({defaults['fragments']}; DiLoCo)",
     )
-    group.add_argument("--quorum", type=int, help="spec.algorithm.quorum (1)")
+    group.add_argument("--quorum", type=int, help="spec.algorithm.quorum (1; DiLoCo)")
+    group.add_argument(
+        "--algorithm",
+        choices=ALGORITHMS,
+        help="spec.algorithm.name (diloco); moshpit: groups on a grid, no fragments",
+    )
+    group.add_argument(
+        "--group-size", type=int, help="spec.algorithm.groupSize (4; Moshpit: the grid's side)"
+    )
+    group.add_argument(
+        "--grid-dims", type=int, help="spec.algorithm.gridDims (2; Moshpit: the grid's dimensions)"
+    )
     group.add_argument(
         "--round-timeout",
         type=float,
@@ -240,14 +253,8 @@ def _check_manifest(
     """Refuse nodes that would not match the mailbox's run, before any starts: the
     algorithm settings always, the model's layout when the nodes run the built-in node
     (another command's model is known only to its nodes, which check it themselves)."""
-    from gradientmail.algorithms import DiLoCo  # torch: only when there is a run to match
-
-    algorithm = DiLoCo(
-        sync_every=env.sync_every,
-        fragments=env.fragments,
-        outer_lr=env.outer_lr,
-        outer_momentum=env.outer_momentum,
-    )  # what NodeEnv.session gives every node
+    # What NodeEnv.session gives every node (torch is imported only when there is a run to match).
+    algorithm = env.build_algorithm()
     if _builtin(command):
         from gradientmail.engine.layout import ModelLayout
         from gradientmail.node import builtin_model
@@ -403,9 +410,14 @@ def run_command(args: argparse.Namespace) -> int:
     algo = spec.algorithm
     console.print(f"[bold]run folder[/] {escape(str(workdir))}")
     console.print(f"[bold]mailbox[/]    {escape(url)}")
+    settings = (
+        f"Moshpit, groupSize {algo.group_size}, gridDims {algo.grid_dims}"
+        if algo.name == "moshpit"
+        else f"fragments {algo.fragments}"
+    )
     console.print(
         f"[bold]nodes[/]      {spec.nodes} × {escape(' '.join(command))}  "
-        f"(steps {algo.steps}, syncEvery {algo.sync_every}, fragments {algo.fragments}, "
+        f"(steps {algo.steps}, syncEvery {algo.sync_every}, {settings}, "
         f"maxRestarts {spec.max_restarts})"
     )
     if creator is not None:

@@ -18,7 +18,15 @@ import yaml
 from pydantic import ValidationError
 
 from gradientmail.cli._common import USAGE, CliError
-from gradientmail.launch.runspec import GROUP, KIND, VERSION, GradientMailRunSpec
+from gradientmail.launch.runspec import (
+    DILOCO_ONLY,
+    GROUP,
+    KIND,
+    MOSHPIT_ONLY,
+    VERSION,
+    AlgorithmSpec,
+    GradientMailRunSpec,
+)
 
 __all__ = ["FLAG_FIELDS", "LOCAL_DEFAULTS", "LoadedSpec", "load_spec"]
 
@@ -27,6 +35,9 @@ LOCAL_DEFAULTS: dict[str, Any] = {
     "nodes": 3,
     "algorithm": {"syncEvery": 25, "fragments": 2, "steps": 800, "roundTimeout": 5.0},
 }
+# Local defaults that are DiLoCo's settings alone: left out when the flags pick Moshpit
+# (``gradientmail run --algorithm moshpit`` is Moshpit with the other defaults above).
+_DILOCO_DEFAULTS = ("fragments",)
 
 # argparse dest -> the spec field it sets (camelCase path, as in the file).
 FLAG_FIELDS: dict[str, tuple[str, ...]] = {
@@ -36,6 +47,9 @@ FLAG_FIELDS: dict[str, tuple[str, ...]] = {
     "fragments": ("algorithm", "fragments"),
     "quorum": ("algorithm", "quorum"),
     "round_timeout": ("algorithm", "roundTimeout"),
+    "algorithm": ("algorithm", "name"),
+    "group_size": ("algorithm", "groupSize"),
+    "grid_dims": ("algorithm", "gridDims"),
     "max_restarts": ("maxRestarts",),
 }
 
@@ -202,6 +216,11 @@ def load_spec(
                 raw["algorithm"] = dict(raw["algorithm"])
             _set(raw, FLAG_FIELDS[dest], value)
             flags[FLAG_FIELDS[dest]] = "--" + dest.replace("_", "-")
+    algorithm = raw.get("algorithm")
+    if path is None and isinstance(algorithm, dict) and algorithm.get("name") == "moshpit":
+        for key in _DILOCO_DEFAULTS:
+            if ("algorithm", key) not in flags:
+                algorithm.pop(key, None)
     try:
         spec = GradientMailRunSpec.model_validate(raw)
     except ValidationError as exc:
@@ -219,10 +238,16 @@ def load_spec(
                     place += f" (with {', '.join(related)})"
             lines.append(f"{place}: {_path_text(('spec', *loc))}: {_message(error)}")
         raise CliError("invalid run spec:\n  " + "\n  ".join(lines), USAGE) from None
+    dumped = spec.model_dump(by_alias=True, exclude_none=True, mode="json")
+    # The other algorithm's settings (at their defaults: anything else was refused) would
+    # only be noise in run.yaml.
+    other = MOSHPIT_ONLY if spec.algorithm.name == "diloco" else DILOCO_ONLY
+    for field in other:
+        dumped["algorithm"].pop(AlgorithmSpec.model_fields[field].alias or field, None)
     resource = {
         "apiVersion": f"{GROUP}/{VERSION}",
         "kind": KIND,
         "metadata": {"name": name},
-        "spec": spec.model_dump(by_alias=True, exclude_none=True, mode="json"),
+        "spec": dumped,
     }
     return LoadedSpec(name, spec, has_mailbox, resource)

@@ -13,14 +13,21 @@ variable                        meaning
 ``GRADIENTMAIL_NODE_INDEX``     0-based index of this node
 ``GRADIENTMAIL_NODES``          how many nodes the run was started with
 ``GRADIENTMAIL_BARRIERS``       ``name=parties`` pairs, comma-separated (``start=3,done=3``)
-``GRADIENTMAIL_SYNC_EVERY``     DiLoCo ``sync_every``
+``GRADIENTMAIL_ALGORITHM``      ``diloco`` (also when unset) or ``moshpit``
+``GRADIENTMAIL_SYNC_EVERY``     ``sync_every`` (local steps between syncs)
 ``GRADIENTMAIL_FRAGMENTS``      DiLoCo ``fragments``
 ``GRADIENTMAIL_OUTER_LR``       DiLoCo ``outer_lr``
 ``GRADIENTMAIL_OUTER_MOMENTUM`` DiLoCo ``outer_momentum``
-``GRADIENTMAIL_QUORUM``         Session ``quorum_size``
+``GRADIENTMAIL_QUORUM``         Session ``quorum_size`` (DiLoCo)
 ``GRADIENTMAIL_ROUND_TIMEOUT``  Session ``round_timeout`` (seconds)
 ``GRADIENTMAIL_STEPS``          training steps of the built-in node
+``GRADIENTMAIL_GROUP_SIZE``     Moshpit ``group_size``
+``GRADIENTMAIL_GRID_DIMS``      Moshpit ``grid_dims``
 ==============================  ==========================================================
+
+Every variable is always set; the algorithm's own are read by its algorithm alone. An
+environment without ``GRADIENTMAIL_ALGORITHM`` (a launcher that predates Moshpit) means
+DiLoCo.
 
 A training script of your own reads the same environment in two lines::
 
@@ -28,6 +35,7 @@ A training script of your own reads the same environment in two lines::
     with env.session(model) as session:   # Session(model, algorithm=…, mailbox=…, …)
         ...
 
+(``algorithm=`` is :meth:`NodeEnv.build_algorithm`: ``gm.DiLoCo(…)`` or ``gm.Moshpit(…)``),
 and ``env.barrier().wait("start", parties=env.parties("start"))`` lines nodes up.
 
 The built-in node (``python -m gradientmail.node``) reads it the same way.
@@ -49,11 +57,17 @@ from gradientmail.wire import check_learner_id
 if TYPE_CHECKING:
     import torch
 
+    from gradientmail.algorithms import Algorithm
     from gradientmail.session import Session
 
 __all__ = ["NodeEnv", "NodeEnvError"]
 
 PREFIX = "GRADIENTMAIL_"
+ALGORITHMS = ("diloco", "moshpit")
+# gradientmail.algorithms.moshpit's bounds (that module needs torch; this one does not;
+# tests/test_moshpit_launch.py checks that they agree).
+MAX_GROUP_SIZE = 1000
+MAX_GRID_DIMS = 8
 
 
 class NodeEnvError(ValueError):
@@ -85,9 +99,24 @@ class NodeEnv:
     quorum: int = 1
     round_timeout: float = 10.0
     steps: int = 200
+    algorithm: str = "diloco"  # one of ALGORITHMS
+    group_size: int = 4  # Moshpit
+    grid_dims: int = 2  # Moshpit
 
     def __post_init__(self) -> None:
         check_learner_id(self.learner_id)
+        if self.algorithm not in ALGORITHMS:
+            raise NodeEnvError(
+                f"{PREFIX}ALGORITHM={self.algorithm!r}: the algorithms are {', '.join(ALGORITHMS)}"
+            )
+        if not 2 <= self.group_size <= MAX_GROUP_SIZE:
+            raise NodeEnvError(
+                f"{PREFIX}GROUP_SIZE={self.group_size} is not within 2..{MAX_GROUP_SIZE}"
+            )
+        if not 1 <= self.grid_dims <= MAX_GRID_DIMS:
+            raise NodeEnvError(
+                f"{PREFIX}GRID_DIMS={self.grid_dims} is not within 1..{MAX_GRID_DIMS}"
+            )
         if self.nodes < 1 or not 0 <= self.node_index < self.nodes:
             raise NodeEnvError(f"node index {self.node_index} is not within 0..{self.nodes - 1}")
         for name, parties in self.barriers.items():
@@ -111,6 +140,9 @@ class NodeEnv:
             f"{PREFIX}QUORUM": str(self.quorum),
             f"{PREFIX}ROUND_TIMEOUT": repr(self.round_timeout),
             f"{PREFIX}STEPS": str(self.steps),
+            f"{PREFIX}ALGORITHM": self.algorithm,
+            f"{PREFIX}GROUP_SIZE": str(self.group_size),
+            f"{PREFIX}GRID_DIMS": str(self.grid_dims),
         }
 
     @classmethod
@@ -144,6 +176,9 @@ class NodeEnv:
                 quorum=number("QUORUM", int, cls.quorum),
                 round_timeout=number("ROUND_TIMEOUT", float, cls.round_timeout),
                 steps=number("STEPS", int, cls.steps),
+                algorithm=env.get(PREFIX + "ALGORITHM", "") or cls.algorithm,
+                group_size=number("GROUP_SIZE", int, cls.group_size),
+                grid_dims=number("GRID_DIMS", int, cls.grid_dims),
             )
         except NodeEnvError:
             raise
@@ -165,23 +200,35 @@ class NodeEnv:
             poll_interval=poll_interval,
         )
 
-    def session(
-        self, model: torch.nn.Module, mailbox: Mailbox | None = None, **options: Any
-    ) -> Session:
-        from gradientmail.algorithms import DiLoCo
-        from gradientmail.session import Session
+    def build_algorithm(self) -> Algorithm:
+        """``gm.Moshpit(sync_every, group_size, grid_dims)`` for a Moshpit run, else
+        ``gm.DiLoCo(sync_every, fragments, outer_lr, outer_momentum)``: what every node's
+        Session runs (and what ``gradientmail run`` matches against a run's manifest)."""
+        if self.algorithm == "moshpit":
+            from gradientmail.algorithms.moshpit import Moshpit
 
-        algorithm = DiLoCo(
+            return Moshpit(
+                sync_every=self.sync_every, group_size=self.group_size, grid_dims=self.grid_dims
+            )
+        from gradientmail.algorithms import DiLoCo
+
+        return DiLoCo(
             sync_every=self.sync_every,
             fragments=self.fragments,
             outer_lr=self.outer_lr,
             outer_momentum=self.outer_momentum,
         )
-        options.setdefault("quorum_size", self.quorum)
+
+    def session(
+        self, model: torch.nn.Module, mailbox: Mailbox | None = None, **options: Any
+    ) -> Session:
+        from gradientmail.session import Session
+
+        options.setdefault("quorum_size", self.quorum)  # Moshpit's group rounds have none
         options.setdefault("round_timeout", self.round_timeout)
         return Session(
             model,
-            algorithm=algorithm,
+            algorithm=self.build_algorithm(),
             mailbox=mailbox or self.open_mailbox(),
             learner_id=self.learner_id,
             **options,

@@ -17,9 +17,16 @@ import re
 from typing import Annotated, Any, Literal
 from urllib.parse import urlencode, urlsplit, urlunsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
-from gradientmail.launch.env import NodeEnv
+from gradientmail.launch.env import MAX_GRID_DIMS, MAX_GROUP_SIZE, NodeEnv
 
 GROUP = "gradientmail.dev"
 VERSION = "v1alpha1"
@@ -228,16 +235,88 @@ class MailboxSpec(_Model):
         return self
 
 
-class AlgorithmSpec(_Model):
-    """DiLoCo and Session settings handed to every node."""
+# The settings of one algorithm only: under the other one they are refused by name unless
+# they keep their default (so a resource written out with every default, as
+# `gradientmail run` writes run.yaml and the API server fills in the CRD's defaults, is
+# still accepted).
+DILOCO_ONLY = ("fragments", "outer_lr", "outer_momentum", "quorum")
+MOSHPIT_ONLY = ("group_size", "grid_dims")
 
-    sync_every: int = Field(default=100, ge=1)
-    fragments: int = Field(default=1, ge=1)
-    outer_lr: float = Field(default=0.7, gt=0)
-    outer_momentum: float = Field(default=0.9, ge=0, lt=1)
-    quorum: int = Field(default=1, ge=1)
-    round_timeout: float = Field(default=10.0, gt=0)
+
+class AlgorithmSpec(_Model):
+    """The algorithm (name: diloco or moshpit) and the Session settings of every node."""
+
+    # One line, `algorithm: {name: moshpit}`, turns a run into Moshpit SGD on a 4 x 4 grid.
+    # A setting of the other algorithm (fragments under Moshpit, groupSize under DiLoCo,
+    # ...) is refused by name unless it keeps its default.
+
+    name: Literal["diloco", "moshpit"] = Field(
+        default="diloco",
+        description=(
+            "The algorithm: diloco (every learner averages with every other at each sync "
+            "point) or moshpit (small groups on a virtual grid of groupSize ** gridDims "
+            "cells average at each sync point)."
+        ),
+    )
+    sync_every: int = Field(default=100, ge=1, description="Local steps between syncs.")
+    fragments: int = Field(
+        default=1, ge=1, description="DiLoCo only: streaming fragments (Moshpit: 1)."
+    )
+    outer_lr: float = Field(default=0.7, gt=0, description="DiLoCo only: outer learning rate.")
+    outer_momentum: float = Field(
+        default=0.9, ge=0, lt=1, description="DiLoCo only: outer Nesterov momentum."
+    )
+    quorum: int = Field(
+        default=1,
+        ge=1,
+        description="DiLoCo only: contributions a round may close with after roundTimeout.",
+    )
+    round_timeout: float = Field(
+        default=10.0,
+        gt=0,
+        description="Seconds a round (a group round, for Moshpit) waits for the missing.",
+    )
     steps: int = Field(default=200, ge=1, description="Steps of the built-in node.")
+    group_size: int = Field(
+        default=4,
+        ge=2,
+        le=MAX_GROUP_SIZE,
+        description="Moshpit only: the grid's side, the members of a full group.",
+    )
+    grid_dims: int = Field(
+        default=2,
+        ge=1,
+        le=MAX_GRID_DIMS,
+        description=(
+            "Moshpit only: the grid's dimensions; gridDims rounds average every learner of "
+            "a full grid (groupSize ** gridDims learners) with every other."
+        ),
+    )
+
+    @field_validator(*DILOCO_ONLY, *MOSHPIT_ONLY)
+    @classmethod
+    def _of_this_algorithm(cls, value: Any, info: ValidationInfo) -> Any:
+        # ``name`` is declared first, so it is validated before these (when it failed, only
+        # its own error is reported).
+        name = info.data.get("name")
+        if name is None:
+            return value
+        field = info.field_name
+        assert field is not None
+        own = "diloco" if field in DILOCO_ONLY else "moshpit"
+        default = cls.model_fields[field].default
+        if name != own and value != default:
+            if own == "diloco":
+                raise ValueError(
+                    "a DiLoCo setting, and this run is Moshpit (algorithm.name: moshpit), "
+                    f"which averages whole models in groups; leave it out (or at {default!r}), "
+                    "or set algorithm.name: diloco"
+                )
+            raise ValueError(
+                "a Moshpit setting, and this run is DiLoCo; set algorithm.name: moshpit to "
+                "run Moshpit, or leave it out"
+            )
+        return value
 
     @model_validator(mode="after")
     def _fragments_fit(self) -> AlgorithmSpec:
@@ -326,4 +405,7 @@ def node_env(spec: GradientMailRunSpec, run: str, index: int, url: str) -> NodeE
         quorum=algo.quorum,
         round_timeout=algo.round_timeout,
         steps=algo.steps,
+        algorithm=algo.name,
+        group_size=algo.group_size,
+        grid_dims=algo.grid_dims,
     )
