@@ -340,6 +340,12 @@ def status_line(title: str, view: RunView | None, rate: float | None) -> str:
         trouble += f", sync points skipped {sync.skipped} ({', '.join(sync.skipping)})"
     if sync.stalling:
         trouble += f", waiting at sync points: {', '.join(sync.stalling)}"
+    if view.groups is not None:  # a Moshpit run: group rounds, no run-wide ones
+        return (
+            f"[{title}] groups: {view.groups.describe()}, live learners {view.live_learners}, "
+            f"samples/s {shown}, sync points {sync.sync_points} (contributed "
+            f"{sync.contributed}, waited {sync.waited_s:.1f} s){trouble}"
+        )
     return (
         f"[{title}] rounds committed {view.rounds_committed}, live learners "
         f"{view.live_learners}, samples/s {shown}, sync points {sync.sync_points} "
@@ -352,14 +358,14 @@ def summary(
 ) -> None:
     """The line that ends every run that succeeded, and the commands to try next."""
     rounds = 0 if view is None else view.rounds_committed
+    what = "group rounds" if view is not None and view.groups is not None else "training rounds"
     firsts = [n.first_loss for n in nodes if n.first_loss is not None]
     lasts = [n.last_loss for n in nodes if n.last_loss is not None]
     loss = ""
     if firsts and lasts:
         loss = f", mean loss {sum(firsts) / len(firsts):.4f} → {sum(lasts) / len(lasts):.4f}"
     console.print(
-        f"\n[green]done[/] in {elapsed:.1f} s: {len(nodes)} nodes, {rounds} training rounds "
-        f"committed{loss}"
+        f"\n[green]done[/] in {elapsed:.1f} s: {len(nodes)} nodes, {rounds} {what} committed{loss}"
     )
     console.print("next:")
     console.print(f"  gradientmail status {escape(_quoted(url))}")

@@ -9,6 +9,11 @@ run's history and small. It is safe beside live nodes (what it deletes only gets
 ``--orphans`` also deletes payloads no kept record names, which is only safe when no node
 is running (a node uploads a payload before the record that names it).
 
+For a Moshpit run (``algorithms/moshpit.py``) it also deletes the group rounds older than
+the newest ``keep_rounds`` that have commits, whole, as the learners' own sweep does
+(``GroupRounds.sweep`` in ``engine/groups.py``): their group commits, snapshots and closer
+claims, and the payloads that no kept record names.
+
 ``rm`` deletes every object under the URL's prefix.
 """
 
@@ -16,8 +21,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rich.table import Table
@@ -60,7 +65,8 @@ def add_parsers(sub: Any) -> None:
         "--keep-rounds",
         type=int,
         default=2,
-        help="commits of each fragment whose inputs stay (2, the Session default)",
+        help="commits of each fragment whose inputs stay (2, the Session default); of a "
+        "Moshpit run, also the group rounds that stay whole",
     )
     sweep.add_argument(
         "--orphans",
@@ -112,9 +118,27 @@ class SweepPlan:
     claims: list[str] = field(default_factory=list)
     payloads: list[str] = field(default_factory=list)
     beats: list[str] = field(default_factory=list)
+    # A Moshpit run's group rounds: the newest with a commit (None: another run, or no group
+    # round yet), and the objects of the older ones to delete.
+    newest_group_round: int | None = None
+    group_records: list[str] = field(default_factory=list)
+    group_snapshots: list[str] = field(default_factory=list)
+    group_claims: list[str] = field(default_factory=list)
 
     def keys(self) -> list[str]:
-        return sorted({*self.snapshots, *self.claims, *self.payloads, *self.beats})
+        """Every key to delete, in the order to delete them: payloads (``blobs/`` sorts
+        first) and the rest, then a Moshpit run's group snapshots, group commits and group
+        claims last, the order the learners' own sweep keeps (``GroupRounds.sweep``)."""
+        rest = sorted({*self.snapshots, *self.claims, *self.payloads, *self.beats})
+        return [*rest, *self.group_snapshots, *self.group_records, *self.group_claims]
+
+    @property
+    def swept_group_rounds(self) -> list[int]:
+        """The group rounds this plan deletes objects of."""
+        found = map(
+            p.group_round_of, (*self.group_records, *self.group_snapshots, *self.group_claims)
+        )
+        return sorted({t for t in found if t is not None})
 
 
 async def plan_sweep(box: Mailbox, url: str, keep_rounds: int, orphans: bool) -> SweepPlan:
@@ -138,6 +162,7 @@ async def plan_sweep(box: Mailbox, url: str, keep_rounds: int, orphans: bool) ->
     for key in round_keys:
         r = p.parse_round_key(key)
         newest[r % fragments] = max(r, newest.get(r % fragments, -1))
+    groups = await _group_keys(box) if manifest.algorithm.get("name") == "moshpit" else None
 
     def old(r: int) -> bool:
         f = r % fragments
@@ -152,7 +177,8 @@ async def plan_sweep(box: Mailbox, url: str, keep_rounds: int, orphans: bool) ->
         snapshots[key] = old(r)
     claim_rounds = {k: p.claim_round(k) for k in claim_keys}
     claims = [k for k, cr in claim_rounds.items() if cr is not None and old(cr)]
-    records = await _read(box, [*round_keys, *snapshots, *resume_keys])
+    group_read = [] if groups is None else [*groups.records, *groups.snapshots]
+    records = await _read(box, [*round_keys, *snapshots, *resume_keys, *group_read])
     # The frozen parameters travel once, with the manifest: never old.
     kept: set[str] = {manifest.frozen_payload} if manifest.frozen_payload else set()
     # A learner's resume saves are its own to sweep (Session keeps the newest); their
@@ -178,6 +204,22 @@ async def plan_sweep(box: Mailbox, url: str, keep_rounds: int, orphans: bool) ->
             continue
         payload = p.decode_snapshot(key, data).payload
         (candidates if doomed else kept).add(payload)
+    if groups is not None:
+        # Group records and snapshots are read as the learners' sweep reads them: one that
+        # does not decode names nothing (it is deleted with its round, or left).
+        for key in group_read:
+            data = records[key]
+            if data is None:
+                continue
+            try:
+                if key.startswith(p.GROUP_ROUNDS):
+                    commit = p.decode_commit(key, data)
+                    named = {commit.params, *(c.payload for c in commit.contributors)}
+                else:
+                    named = {p.decode_snapshot(key, data).payload}
+            except ProtocolError:
+                continue
+            (candidates if groups.doomed(key, keep_rounds) else kept).update(named)
     # Payloads stored in parts occupy their parts too; a part named by a kept payload stays.
     kept = await payload_blobs(box, kept)
     candidates = await payload_blobs(box, candidates)
@@ -198,7 +240,7 @@ async def plan_sweep(box: Mailbox, url: str, keep_rounds: int, orphans: bool) ->
         for learner, numbers in by_learner.items()
         for beat in sorted(numbers)[:-2]
     ]
-    return SweepPlan(
+    plan = SweepPlan(
         keep_rounds,
         newest,
         snapshots=sorted(k for k, doomed in snapshots.items() if doomed),
@@ -206,6 +248,62 @@ async def plan_sweep(box: Mailbox, url: str, keep_rounds: int, orphans: bool) ->
         payloads=sorted(payloads),
         beats=sorted(beats),
     )
+    if groups is None:
+        return plan
+    return replace(
+        plan,
+        newest_group_round=groups.newest,
+        group_records=[k for k in groups.records if groups.doomed(k, keep_rounds)],
+        group_snapshots=[k for k in groups.snapshots if groups.doomed(k, keep_rounds)],
+        group_claims=[k for k in groups.claims if groups.doomed(k, keep_rounds)],
+    )
+
+
+@dataclass(frozen=True)
+class _GroupKeys:
+    """A Moshpit run's group keys, as listed (each a key of its kind; others left out)."""
+
+    records: list[str]
+    snapshots: list[str]
+    claims: list[str]
+    newest: int | None  # the newest group round with a commit
+
+    def doomed(self, key: str, keep_rounds: int) -> bool:
+        """Whether ``key`` is of a group round older than the newest ``keep_rounds`` with
+        commits (rounds newer than the newest commit, under way, are never doomed)."""
+        t = p.group_round_of(key)
+        return t is not None and self.newest is not None and t <= self.newest - keep_rounds
+
+
+async def _group_keys(box: Mailbox) -> _GroupKeys:
+    record_keys, snapshot_keys, claim_keys = await asyncio.gather(
+        box.list(p.GROUP_ROUNDS), box.list(p.GROUP_SNAPSHOTS), box.list(p.GROUP_CLAIMS)
+    )
+    records = [k for k in record_keys if _parses(p.parse_group_round_key, k)]
+    snapshots = [k for k in snapshot_keys if _parses(p.parse_group_snapshot_key, k)]
+    claims = [k for k in claim_keys if _is_group_claim(k)]
+    rounds = [p.parse_group_round_key(k)[0] for k in records]
+    return _GroupKeys(records, snapshots, claims, max(rounds, default=None))
+
+
+def _parses(parse: Callable[[str], object], key: str) -> bool:
+    try:
+        parse(key)
+    except ProtocolError:
+        return False
+    return True
+
+
+def _is_group_claim(key: str) -> bool:
+    """``group-claims/{t}/{group}/{attempt}``, exactly."""
+    parts = key.split("/")
+    t = p.group_round_of(key)
+    if t is None or len(parts) != 4 or not key.startswith(p.GROUP_CLAIMS):
+        return False
+    try:
+        return key == p.group_claim_key(t, parts[2], p.parse_claim_attempt(key))
+    except (ProtocolError, ValueError):
+        return False
 
 
 def run_sweep(args: argparse.Namespace) -> int:
@@ -230,6 +328,13 @@ def run_sweep(args: argparse.Namespace) -> int:
             ("old beats", plan.beats),
         ):
             table.add_row(f"  {what}", str(len(keys)))
+        if plan.newest_group_round is not None:
+            for what, keys in (
+                ("group commits", plan.group_records),
+                ("group snapshots", plan.group_snapshots),
+                ("group closer claims", plan.group_claims),
+            ):
+                table.add_row(f"  {what}", str(len(keys)))
         table.add_row("  [bold]total[/]", f"[bold]{len(doomed)}[/]")
         newest = ", ".join(f"{f}: {r}" for f, r in sorted(plan.newest.items()))
         console.print(
@@ -237,6 +342,13 @@ def run_sweep(args: argparse.Namespace) -> int:
             f"each fragment (newest rounds {newest}) and every round record",
             markup=False,
         )
+        if plan.newest_group_round is not None:
+            swept = plan.swept_group_rounds
+            console.print(
+                f"  and the newest {plan.keep_rounds} group rounds (newest group round "
+                f"{plan.newest_group_round}); group rounds {_span(swept)} go whole",
+                markup=False,
+            )
         console.print(table)
         if not confirm(f"Delete these {len(doomed)} objects?", args.yes):
             err().print("nothing deleted")
@@ -246,6 +358,12 @@ def run_sweep(args: argparse.Namespace) -> int:
         raise store_error(url, exc) from None
     console.print(f"deleted {len(doomed)} objects", markup=False)
     return 0
+
+
+def _span(rounds: Sequence[int]) -> str:
+    if not rounds:
+        return "none"
+    return str(rounds[0]) if rounds[0] == rounds[-1] else f"{rounds[0]}–{rounds[-1]}"
 
 
 # -- rm ------------------------------------------------------------------------------------

@@ -8,6 +8,11 @@ at them (``waited``, with the recent share of time under ``--watch``; yellow whe
 :data:`~gradientmail.inspect.STALLING_FRACTION` or more); a line under the run's numbers
 names the learners that skip or stall.
 
+For a Moshpit run (``algorithms/moshpit.py``) it shows group rounds instead of rounds: the
+newest group round, how many groups committed in it and their sizes, the spread of the
+learners' versions (the newest group round each published to; a column per learner), and
+the grid; ``groups`` in JSON (None for any other run).
+
 The table is rendered from the dict ``status --json`` prints (:func:`view_json`), so the
 two agree field by field. An age needs the watcher to see a change: one poll shows none
 (``—``, null), and one marked ``≥`` (``*_at_least`` in JSON) is a lower bound, for a beat
@@ -44,9 +49,9 @@ from gradientmail.cli._common import (
     store_error,
 )
 from gradientmail.errors import MailboxError
-from gradientmail.inspect import STALLING_FRACTION, LearnerView, RunView, RunWatcher
+from gradientmail.inspect import STALLING_FRACTION, GroupsView, LearnerView, RunView, RunWatcher
 
-__all__ = ["NodeRow", "SampleRate", "render_run", "view_json"]
+__all__ = ["NodeRow", "SampleRate", "groups_json", "render_run", "view_json"]
 
 
 class SampleRate:
@@ -141,6 +146,36 @@ def _learner_json(view: LearnerView, polls: int) -> dict[str, Any]:
     }
 
 
+def groups_json(groups: GroupsView | None) -> dict[str, Any] | None:
+    """A Moshpit run's group rounds as ``status --json`` shows them (None for another run)."""
+    if groups is None:
+        return None
+    return {
+        "group_size": groups.group_size,
+        "grid_dims": groups.grid_dims,
+        "grid_cells": groups.grid_cells,
+        "slots": groups.slots,
+        "newest_round": groups.newest_round,
+        "rounds": [
+            {
+                "round": r.round,
+                "groups": r.groups,
+                "sizes": list(r.sizes),
+                "min_size": r.min_size,
+                "median_size": r.median_size,
+                "max_size": r.max_size,
+                "learners": r.learners,
+                "samples": r.samples,
+            }
+            for r in groups.rounds
+        ],
+        "versions": dict(groups.versions),
+        "version_spread": groups.spread,
+        "open_groups": {str(t): list(g) for t, g in sorted(groups.open_groups.items())},
+        "summary": groups.describe(),
+    }
+
+
 def view_json(
     url: str, view: RunView, *, polls: int = 1, rate: float | None = None
 ) -> dict[str, Any]:
@@ -189,6 +224,7 @@ def view_json(
             "times_fewer_than_dense": traffic.ratio,
         },
         "learners": [_learner_json(v, polls) for v in view.learners],
+        "groups": groups_json(view.groups),
     }
 
 
@@ -259,7 +295,7 @@ def _flags(shown: dict[str, Any]) -> list[RenderableType]:
     return lines
 
 
-def _summary(shown: dict[str, Any] | None) -> Table:
+def _summary(shown: dict[str, Any] | None) -> RenderableType:
     grid = Table.grid(padding=(0, 3))
     for _ in range(3):
         grid.add_column(no_wrap=True)
@@ -271,21 +307,25 @@ def _summary(shown: dict[str, Any] | None) -> Table:
     # samples_committed (and so the rate) counts each trained sample once (RunView's docs).
     rate = _number(shown["samples_per_second"], digits=0)
     lag = _age(shown["seconds_since_commit"], shown["commit_age_at_least"])
-    grid.add_row(
-        f"rounds committed [bold]{shown['rounds_committed']}[/]",
-        f"newest round [bold]{newest}[/]",
-        f"live learners [bold]{shown['live_learners']}[/]",
-    )
-    grid.add_row(
-        f"samples/s [bold]{rate}[/]",
-        f"commit lag [bold]{lag}[/]",
-        f"open rounds [bold]{len(shown['open_rounds'])}[/]",
-    )
-    grid.add_row(
-        f"fragments {fragments}",
-        f"samples committed {shown['samples_committed']:,}",
-        Text(f"creator {shown['creator'] or '—'}"),
-    )
+    groups = shown.get("groups")
+    if groups is not None:  # a Moshpit run: group rounds, no run-wide ones
+        _group_rows(grid, shown, groups, rate, lag)
+    else:
+        grid.add_row(
+            f"rounds committed [bold]{shown['rounds_committed']}[/]",
+            f"newest round [bold]{newest}[/]",
+            f"live learners [bold]{shown['live_learners']}[/]",
+        )
+        grid.add_row(
+            f"samples/s [bold]{rate}[/]",
+            f"commit lag [bold]{lag}[/]",
+            f"open rounds [bold]{len(shown['open_rounds'])}[/]",
+        )
+        grid.add_row(
+            f"fragments {fragments}",
+            f"samples committed {shown['samples_committed']:,}",
+            Text(f"creator {shown['creator'] or '—'}"),
+        )
     sync = shown["sync"]
     grid.add_row(
         f"sync points reached {sync['sync_points']:,}",
@@ -305,7 +345,35 @@ def _summary(shown: dict[str, Any] | None) -> Table:
             f"moved {_megabytes(moved)}",
             "" if ratio is None else f"{ratio:,.1f}× fewer bytes than dense float32",
         )
+    if groups is not None:
+        return Group(grid, Text(f"groups: {groups['summary']}"))
     return grid
+
+
+def _group_rows(
+    grid: Table, shown: dict[str, Any], groups: dict[str, Any], rate: str, lag: str
+) -> None:
+    """A Moshpit run's numbers: its newest group round, the learners in its groups, what
+    is still open, the grid (:func:`_summary` adds ``groups: round 12, 4 groups of 2–4
+    (median 4), versions spread 1`` under them)."""
+    newest = "—" if groups["newest_round"] is None else str(groups["newest_round"])
+    in_groups = groups["rounds"][-1]["learners"] if groups["rounds"] else 0
+    grid.add_row(
+        f"group round [bold]{newest}[/]",
+        f"in its groups [bold]{in_groups}[/]",
+        f"live learners [bold]{shown['live_learners']}[/]",
+    )
+    grid.add_row(
+        f"samples/s [bold]{rate}[/]",
+        f"commit lag [bold]{lag}[/]",
+        f"open groups [bold]{sum(len(g) for g in groups['open_groups'].values())}[/]",
+    )
+    grid.add_row(
+        f"grid {'×'.join([str(groups['group_size'])] * groups['grid_dims'])} "
+        f"({groups['slots']} slots)",
+        f"samples trained {shown['samples_committed']:,}",
+        Text(f"creator {shown['creator'] or '—'}"),
+    )
 
 
 def _megabytes(count: int) -> str:
@@ -374,7 +442,18 @@ def _learners(shown: dict[str, Any] | None, nodes: Sequence[NodeRow] | None) -> 
     table.add_column("samples", justify="right", no_wrap=True)
     for heading in ("syncs", "contrib", "skipped", "waited"):
         table.add_column(heading, justify="right", no_wrap=True)
+    groups = None if shown is None else shown.get("groups")
+    versions: dict[str, int] | None = None if groups is None else groups["versions"]
+    if versions is not None:
+        table.add_column("group round", justify="right", no_wrap=True)
     table.add_column("lease (last beat)")
+
+    def version(learner: str) -> list[RenderableType]:
+        if versions is None:
+            return []
+        found = versions.get(learner)
+        return [Text("—", style="dim") if found is None else Text(str(found))]
+
     shown_rows: set[str] = set()
     for node in nodes or ():
         shown_rows.add(node.learner)
@@ -387,6 +466,7 @@ def _learners(shown: dict[str, Any] | None, nodes: Sequence[NodeRow] | None) -> 
             _loss(node.first_loss, node.last_loss),
             _node_samples(node, lv),
             *_sync_cells(lv, share=not wide),
+            *version(node.learner),
             _lease(lv),
         )
     for learner, lv in seen.items():
@@ -398,7 +478,7 @@ def _learners(shown: dict[str, Any] | None, nodes: Sequence[NodeRow] | None) -> 
         else:
             cells.append("—" if lv["steps"] is None else f"{lv['steps']:,}")
         cells.append("—" if lv["samples"] is None else f"{lv['samples']:,}")
-        cells += [*_sync_cells(lv, share=not wide), _lease(lv)]
+        cells += [*_sync_cells(lv, share=not wide), *version(learner), _lease(lv)]
         table.add_row(*cells)
     return table
 

@@ -6,6 +6,14 @@ by the manifest (tensor names are the model's parameter names), with the rounds 
 its metadata. ``verify`` recomputes every commit whose inputs are still stored (its
 contributions, its base commit) from its round record, and reports mismatches, and which
 commits the sweep has made unverifiable.
+
+A Moshpit run (``algorithms/moshpit.py``) has no run-wide commit after its initial one:
+``align`` writes the sample-weighted average of the newest group round's commits, or the
+parameters they all share when every group of that round committed the same (a full grid
+has averaged everyone: the exact global average), and says which
+(:func:`gradientmail.engine.groups.describe_alignment`); ``verify`` recomputes every group
+commit whose members' payloads are still stored
+(:func:`gradientmail.engine.verify.verify_group`).
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import asyncio
 import json
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +56,14 @@ SWEPT_HINT = (
     "and its initial commit while it is among those kept. To verify every commit, run "
     "verify while the run goes, or give the run a larger keep_rounds."
 )
+# The same for a Moshpit run's group commits: see engine/groups.py (GroupRounds.sweep).
+GROUP_SWEPT_HINT = (
+    "A group commit can be verified while its members' payloads and its parameters are "
+    "stored. The learners' own sweep keeps the newest keep_rounds + 1 group rounds (3 "
+    "unless the run set keep_rounds), gradientmail sweep the newest --keep-rounds, and "
+    "deletes older group rounds whole. To verify every group commit, run verify while the "
+    "run goes, or give the run a larger keep_rounds."
+)
 
 
 def add_parsers(sub: Any) -> None:
@@ -55,7 +72,9 @@ def add_parsers(sub: Any) -> None:
         help="write the newest committed parameters into one safetensors file",
         description="Write the newest commit of every fragment into one safetensors file "
         "(tensor names are the model's parameter names, as in the run's manifest), for "
-        "evaluation; no model class needed.",
+        "evaluation; no model class needed. For a Moshpit run: the sample-weighted average "
+        "of the newest group round's commits, or the parameters they all share once the "
+        "grid has averaged everyone; it says which.",
     )
     align.add_argument("url", help="the run's mailbox URL")
     align.add_argument("--out", "-o", type=Path, required=True, help="file to write")
@@ -64,7 +83,8 @@ def add_parsers(sub: Any) -> None:
         help="recompute every commit still verifiable; exit 1 on a mismatch",
         description="Recompute every commit whose inputs are still in the mailbox from its "
         "round record (contributions, base commit, outer momentum) and compare; report "
-        "mismatches (exit 1) and the commits the sweep has made unverifiable. " + SWEPT_HINT,
+        "mismatches (exit 1) and the commits the sweep has made unverifiable. A Moshpit "
+        "run's group commits are recomputed from their members' payloads. " + SWEPT_HINT,
     )
     verify.add_argument("url", help="the run's mailbox URL")
     verify.add_argument("-v", "--verbose", action="store_true", help="one line per commit")
@@ -116,13 +136,26 @@ def _checked(url: str) -> tuple[Mailbox, p.Manifest]:
     return box, manifest
 
 
-async def _align(
-    box: Mailbox, url: str, manifest: p.Manifest
-) -> tuple[dict[str, Any], dict[int, int]]:
+@dataclass
+class _Aligned:
+    """What align loaded: the tensors, ``{fragment: round}`` (a Moshpit run's: ``{0: group
+    round}``) and, for a Moshpit run, which group commits, in words and by group."""
+
+    tensors: dict[str, Any]
+    rounds: dict[int, int]
+    description: str | None = None
+    groups: tuple[str, ...] = ()
+
+
+async def _align(box: Mailbox, url: str, manifest: p.Manifest) -> _Aligned:
     from gradientmail.algorithms.base import from_manifest
     from gradientmail.engine.chain import commit_tensors
 
     algorithm = from_manifest(manifest.algorithm)
+    if _is_moshpit(manifest):
+        groups = await _align_groups(box, manifest)
+        if groups is not None:
+            return groups
     for attempt in range(3):
         newest = _newest(await box.list(p.ROUNDS), manifest.num_fragments)
         missing = [f for f in range(manifest.num_fragments) if f not in newest]
@@ -141,7 +174,74 @@ async def _align(
             if "missing" in str(exc) and attempt < 2:
                 continue  # swept under us by a live run: list again
             raise
-        return tensors, newest
+        description = None
+        if _is_moshpit(manifest):  # before its first group round: the initial commit
+            from gradientmail.engine.groups import describe_alignment
+
+            description = describe_alignment([])
+        return _Aligned(tensors, newest, description)
+    raise AssertionError("unreachable")
+
+
+def _is_moshpit(manifest: p.Manifest) -> bool:
+    return manifest.algorithm.get("name") == "moshpit"
+
+
+def _manifest_model(manifest: p.Manifest) -> Any:
+    """A module holding zeros shaped as the manifest's tensors, under their names (nested
+    modules for the dots): what ``ModelLayout.for_run`` needs to lay a run out without the
+    model's class."""
+    import torch
+
+    root = torch.nn.Module()
+    for spec in (*(s for fragment in manifest.fragments for s in fragment), *manifest.frozen):
+        *path, attr = spec.name.split(".")
+        module = root
+        for part in path:
+            child = dict(module.named_children()).get(part)
+            if child is None:
+                child = torch.nn.Module()
+                module.add_module(part, child)
+            module = child
+        value = torch.zeros(spec.shape, dtype=getattr(torch, spec.dtype.removeprefix("torch.")))
+        if spec.kind == p.BUFFER:
+            module.register_buffer(attr, value)
+        else:
+            trainable = spec.kind != p.FROZEN
+            module.register_parameter(attr, torch.nn.Parameter(value, requires_grad=trainable))
+    return root
+
+
+async def _align_groups(box: Mailbox, manifest: p.Manifest) -> _Aligned | None:
+    """A Moshpit run's aligned parameters (:func:`gradientmail.engine.groups.aligned`:
+    what ``gm.align`` loads), or None before the first group round (the initial commit is
+    then the model)."""
+    from gradientmail.algorithms.base import from_manifest
+    from gradientmail.algorithms.moshpit import Moshpit
+    from gradientmail.engine.groups import aligned, describe_alignment
+    from gradientmail.engine.layout import ModelLayout
+
+    algorithm = from_manifest(manifest.algorithm)
+    if not isinstance(algorithm, Moshpit):  # pragma: no cover - the manifest said moshpit
+        raise CliError(f"the run's algorithm {manifest.algorithm!r} is not Moshpit")
+    layout = ModelLayout.for_run(_manifest_model(manifest), manifest)
+    for attempt in range(3):
+        try:
+            with progress("downloading the newest group commits", 1) as advance:
+                commits, params = await aligned(box, algorithm, layout)
+                advance(1)
+        except ProtocolError as exc:
+            if "missing" in str(exc) and attempt < 2:
+                continue  # swept under us by a live run: list again
+            raise
+        if params is None:
+            return None
+        return _Aligned(
+            dict(params),
+            {0: commits[0].round},
+            describe_alignment(commits),
+            tuple(sorted(c.group or "" for c in commits)),
+        )
     raise AssertionError("unreachable")
 
 
@@ -170,13 +270,17 @@ def run_align(args: argparse.Namespace) -> int:
     from safetensors.torch import save_file
 
     try:
-        tensors, rounds = asyncio.run(_align(box, url, manifest))
+        loaded = asyncio.run(_align(box, url, manifest))
     except MailboxError as exc:
         raise store_error(url, exc) from None
+    tensors, rounds = loaded.tensors, loaded.rounds
     metadata = {
         "gradientmail.rounds": json.dumps({str(f): r for f, r in sorted(rounds.items())}),
         "gradientmail.mailbox": url,
     }
+    if loaded.description is not None:
+        metadata["gradientmail.aligned"] = loaded.description
+        metadata["gradientmail.groups"] = json.dumps(list(loaded.groups))
     partial = target.with_name(f".{target.name}.partial")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -186,10 +290,13 @@ def run_align(args: argparse.Namespace) -> int:
         partial.unlink(missing_ok=True)
         raise CliError(f"--out {target}: cannot write it: {_why(exc)}") from None
     count = sum(t.numel() for t in tensors.values())
+    if loaded.description is not None:
+        loaded_what = loaded.description
+    else:
+        newest = ", ".join(f"{f}: {r}" for f, r in sorted(rounds.items()))
+        loaded_what = f"newest rounds {newest} (fragment: round)"
     out().print(
-        f"wrote {target}: {len(tensors)} tensors, {count:,} parameters, "
-        f"newest rounds {', '.join(f'{f}: {r}' for f, r in sorted(rounds.items()))} "
-        "(fragment: round)",
+        f"wrote {target}: {len(tensors)} tensors, {count:,} parameters, {loaded_what}",
         markup=False,
     )
     return 0
@@ -279,11 +386,70 @@ async def _verify(
     return verified, unverifiable, mismatches
 
 
+async def _verify_groups(
+    box: Mailbox, manifest: p.Manifest, verbose: bool
+) -> tuple[int, list[str], list[str]]:
+    """A Moshpit run's group commits: each recomputed from its members' payloads while they
+    and its parameters are stored (``engine/verify.py``'s ``verify_group``). Returns the
+    count verified, the keys no longer verifiable and the mismatches."""
+    from gradientmail.engine.verify import verify_group
+
+    keys = []
+    for key in await box.list(p.GROUP_ROUNDS):
+        try:
+            p.parse_group_round_key(key)
+        except ProtocolError:
+            continue  # not a group commit (someone else's object)
+        keys.append(key)
+    blobs = set(await box.list(p.BLOBS))
+    console = out()
+    verified = 0
+    unverifiable: list[str] = []
+    mismatches: list[str] = []
+    with progress("verifying group commits", len(keys) * 2) as advance:
+        records = await _records(box, keys, advance)
+        for key in keys:
+            t, group = p.parse_group_round_key(key)
+            try:
+                commit = p.decode_commit(key, records[key])
+            except ProtocolError as exc:
+                if records[key] is None:  # deleted since the listing
+                    unverifiable.append(key)
+                else:
+                    mismatches.append(f"group round {t} group {group}: {exc}")
+                advance(1)
+                continue
+            needed = {c.payload for c in commit.contributors} | {commit.params}
+            if not needed <= blobs:
+                unverifiable.append(key)
+                advance(1)
+                continue
+            try:
+                result = await verify_group(box, key, manifest)
+            except (ProtocolError, PayloadCorrupt) as exc:
+                still = await asyncio.gather(*(box.list(k) for k in sorted(needed)))
+                if all(still):
+                    mismatches.append(f"group round {t} group {group}: {exc}")
+                else:  # swept while this ran
+                    unverifiable.append(key)
+            else:
+                verified += 1
+                if verbose:
+                    who = "+".join(result.contributors)
+                    console.print(f"group round {t:6d}  group {group}  {who}  OK", markup=False)
+            advance(1)
+    return verified, unverifiable, mismatches
+
+
 def run_verify(args: argparse.Namespace) -> int:
     url: str = args.url
     box, manifest = _checked(url)
+    moshpit = _is_moshpit(manifest)
+    groups: tuple[int, list[str], list[str]] = (0, [], [])
     try:
         verified, unverifiable, mismatches = asyncio.run(_verify(box, manifest, args.verbose))
+        if moshpit:
+            groups = asyncio.run(_verify_groups(box, manifest, args.verbose))
     except MailboxError as exc:
         raise store_error(url, exc) from None
     total = verified + len(unverifiable) + len(mismatches)
@@ -299,9 +465,25 @@ def run_verify(args: argparse.Namespace) -> int:
             markup=False,
         )
         console.print(f"  {SWEPT_HINT}", markup=False)
-    if mismatches:
+    group_verified, group_unverifiable, group_mismatches = groups
+    if moshpit:
+        group_total = group_verified + len(group_unverifiable) + len(group_mismatches)
+        console.print(
+            f"{group_total} group commits: {group_verified} verified, "
+            f"{len(group_unverifiable)} no longer verifiable, {len(group_mismatches)} mismatched",
+            markup=False,
+        )
+        if group_unverifiable:
+            swept = sorted({p.parse_group_round_key(k)[0] for k in group_unverifiable})
+            console.print(
+                f"  not verifiable (their members' payloads were swept): group rounds "
+                f"{_ranges(swept)}",
+                markup=False,
+            )
+            console.print(f"  {GROUP_SWEPT_HINT}", markup=False)
+    if mismatches or group_mismatches:
         errors = err()
-        for line in mismatches:
+        for line in [*mismatches, *group_mismatches]:
             errors.print(f"  MISMATCH {line}", markup=False)
         return 1
     return 0

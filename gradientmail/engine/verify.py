@@ -167,6 +167,9 @@ async def verify_group(box: Mailbox, key: str, manifest: p.Manifest | None = Non
     if both := sorted(set(learners) & {x.learner for x in commit.excluded}):
         raise ProtocolError(f"{key}: {both} are listed as members and as excluded")
     specs = manifest.fragments[0]
+    # The stored parameters decode (as verify_commit checks a stored commit's): a record
+    # whose key is right but whose bytes are damaged is found here, not by a reader later.
+    await retrying(partial(get_tensors, box, commit.params, specs))
     buffers = frozenset(spec.name for spec in specs if spec.kind == p.BUFFER)
     members = [
         Member(c.learner, c.samples, c.payload)

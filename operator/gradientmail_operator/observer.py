@@ -168,13 +168,16 @@ class Observer:
 
     def _fold(self, view: RunView) -> Observation:
         training = view.rounds_committed > 0
+        progress = f"{view.rounds_committed} rounds committed"
+        if view.groups is not None:  # a Moshpit run: its group rounds (rounds_committed too)
+            progress = f"groups: {view.groups.describe()}"
         return Observation(
             status=view_status(view),
             reachable=(True, Reason.MAILBOX_REACHABLE, "listing works"),
             progressing=(
                 training,
                 Reason.TRAINING if training else Reason.WAITING_FOR_ROUNDS,
-                f"{view.rounds_committed} rounds committed, {view.live_learners} learners live",
+                f"{progress}, {view.live_learners} learners live",
             ),
             synced=sync_condition(view),
             warnings=tuple(sync_warnings(view, self._warned)),

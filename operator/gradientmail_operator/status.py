@@ -6,6 +6,11 @@ mailbox knows (``syncPointsReached``, ``syncPointsContributed``, ``syncPointsSki
 whether any learner skipped one (``SyncPointsSkipped``) or waits at them a large share of
 its time (``WaitingAtSyncPoints``); :func:`sync_warnings` gives the events for a learner
 that starts doing either.
+
+A Moshpit run (group rounds, no run-wide ones): ``roundsCommitted`` and ``newestRound`` are
+its newest group round, ``samples`` the samples its learners trained, ``groups`` (a field
+only such a run has) its newest group round's groups, their sizes and the spread of the
+learners' versions (:func:`groups_status`), and each learner its ``groupRound``.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
-from gradientmail.inspect import STALLING_FRACTION, LearnerView, RunView
+from gradientmail.inspect import STALLING_FRACTION, GroupsView, LearnerView, RunView
 from gradientmail_operator.reconcile import Reason
 
 
@@ -70,14 +75,37 @@ def _learner(lv: LearnerView) -> dict[str, Any]:
     }
 
 
+def groups_status(groups: GroupsView) -> dict[str, Any]:
+    """A Moshpit run's ``status.groups``: its newest group round and that round's groups."""
+    newest = groups.newest
+    return {
+        "newestGroupRound": groups.newest_round,
+        "groups": 0 if newest is None else newest.groups,
+        "groupSizeMin": None if newest is None else newest.min_size,
+        "groupSizeMedian": None if newest is None else newest.median_size,
+        "groupSizeMax": None if newest is None else newest.max_size,
+        "learnersInGroups": 0 if newest is None else newest.learners,
+        "versionSpread": groups.spread,
+        "openGroups": sum(len(g) for g in groups.open_groups.values()),
+        "gridSlots": groups.slots,
+        "grid": "×".join([str(groups.group_size)] * groups.grid_dims),
+        "summary": groups.describe(),
+    }
+
+
 def view_status(view: RunView) -> dict[str, Any]:
     sync = view.sync
-    return {
+    learners = [_learner(lv) for lv in view.learners][:50]
+    if view.groups is not None:
+        versions = view.groups.versions
+        for learner in learners:
+            learner["groupRound"] = versions.get(learner["id"])
+    status = {
         "roundsCommitted": view.rounds_committed,
         "newestRound": view.newest_round,
         "newestRoundPerFragment": {str(f): r for f, r in sorted(view.newest_per_fragment.items())},
         "liveLearners": view.live_learners,
-        "learners": [_learner(lv) for lv in view.learners][:50],
+        "learners": learners,
         "samples": view.samples_committed,
         "syncPointsReached": sync.sync_points,
         "syncPointsContributed": sync.contributed,
@@ -90,6 +118,9 @@ def view_status(view: RunView) -> dict[str, Any]:
             None if view.samples_per_second is None else round(view.samples_per_second, 1)
         ),
     }
+    if view.groups is not None:
+        status["groups"] = groups_status(view.groups)
+    return status
 
 
 def _skips(lv: LearnerView) -> str:
