@@ -60,6 +60,17 @@ def _crd_schema() -> dict[str, Any]:
     return dict(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
 
 
+def test_the_moshpit_example_is_valid_and_fills_its_grid() -> None:
+    run = yaml.safe_load(
+        (manifests.MANIFESTS / "examples" / "gradientmailrun-moshpit.yaml").read_text()
+    )
+    jsonschema.Draft4Validator(_crd_schema()).validate(run)
+    spec = GradientMailRunSpec.model_validate(run["spec"])
+    algorithm = spec.algorithm
+    assert algorithm.name == "moshpit"
+    assert algorithm.group_size**algorithm.grid_dims == spec.nodes  # a full grid
+
+
 def test_the_example_run_is_valid_for_the_crd_and_the_operator() -> None:
     run = yaml.safe_load((manifests.MANIFESTS / "examples" / "gradientmailrun.yaml").read_text())
     assert run["apiVersion"] == "gradientmail.dev/v1alpha1"
