@@ -100,8 +100,8 @@ def test_the_engine_runs_a_custom_algorithm_end_to_end() -> None:
 def test_an_unknown_algorithm_in_a_manifest_is_a_clear_error() -> None:
     from gradientmail.algorithms import from_manifest
 
-    with pytest.raises(gm.ProtocolError, match="'moshpit' is unknown"):
-        from_manifest({"name": "moshpit", "sync_every": 3})
+    with pytest.raises(gm.ProtocolError, match="'gossip' is unknown"):
+        from_manifest({"name": "gossip", "sync_every": 3})
 
 
 def test_a_session_refuses_what_is_not_an_algorithm() -> None:
