@@ -24,11 +24,9 @@ however long the run. A fragment whose newest record carries none (written befor
 existed) has every new record read and counted, as before.
 
 A Moshpit run (manifest algorithm ``moshpit``) has no run-wide rounds after its initial
-commit: :attr:`RunView.groups` (a :class:`GroupsView`) shows its group rounds, the newest
-group round stands for the rounds committed, and the samples are the learners' own (their
-beats). A poll lists ``group-rounds/`` and ``group-snapshots/`` from a few rounds behind the
-newest seen (GROUP_WINDOW) and ``grid/``, and reads each new group commit record of the
-newest rounds once (small records: no payload is read).
+commit: :attr:`RunView.groups` (a :class:`GroupsView`, read by ``_inspect_groups.py``)
+shows its group rounds, the newest group round stands for the rounds committed, and the
+samples are the learners' own (their beats).
 
 A malformed record raises :class:`ProtocolError` naming its key; :class:`MailboxUnavailable`
 propagates (state read before the failure is kept, so the next poll goes on from there).
@@ -37,23 +35,29 @@ propagates (state read before the failure is kept, so the next poll goes on from
 from __future__ import annotations
 
 import asyncio
-import math
-import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from types import MappingProxyType
 from typing import Any, TypeVar
 
+from gradientmail._inspect_groups import GROUP_WINDOW as GROUP_WINDOW
+from gradientmail._inspect_groups import (
+    GroupRoundView,
+    GroupsView,
+    GroupWatcher,
+    is_moshpit,
+)
+from gradientmail._inspect_traffic import Traffic as Traffic
+from gradientmail._inspect_traffic import describe_compression as describe_compression
+from gradientmail._inspect_traffic import model_bytes
 from gradientmail.coord.leases import LeaseTracker
 from gradientmail.errors import ProtocolError
 from gradientmail.mailbox import Mailbox
 from gradientmail.wire import (
     CREATOR,
-    GRID,
-    GROUP_ROUNDS,
-    GROUP_SNAPSHOTS,
     LEASES,
     MANIFEST,
     ROUNDS,
@@ -67,11 +71,6 @@ from gradientmail.wire import (
     decode_commit,
     decode_creator,
     decode_manifest,
-    group_round_prefix,
-    group_snapshots_prefix,
-    parse_grid_key,
-    parse_group_round_key,
-    parse_group_snapshot_key,
     parse_round_key,
     round_key,
     snapshot_key,
@@ -93,11 +92,6 @@ _BATCH = 64  # records read concurrently; the cursor advances after each batch
 # A live learner whose step() waited at sync points for at least this share of the recent
 # time (the watcher's window) is flagged as stalling: the store or a closer holds it back.
 STALLING_FRACTION = 0.25
-# A Moshpit run's group rounds: the newest this many rounds (with a commit) are shown, and
-# each poll lists again from this many rounds behind the newest seen (a group of an older
-# round may still close late; a learner that fell behind may still publish to one).
-GROUP_WINDOW = 4
-_GROUP_MEMORY = 2 * GROUP_WINDOW  # group rounds whose records the watcher keeps in memory
 T = TypeVar("T")
 
 
@@ -168,156 +162,6 @@ class SyncTotals:
     skipped: int
     skipping: tuple[str, ...]  # learners with skipped > 0
     stalling: tuple[str, ...]  # live learners waiting STALLING_FRACTION of the time or more
-
-
-@dataclass(frozen=True)
-class Traffic:
-    """What the learners moved to and from the mailbox, in all (beats carry it), and
-    ``dense``: the least dense float32 rounds would move for the same contributions (None
-    for an uncompressed run, or before the manifest is there to size it)."""
-
-    bytes_up: int
-    bytes_down: int
-    dense: int | None
-
-    @property
-    def moved(self) -> int:
-        return self.bytes_up + self.bytes_down
-
-    @property
-    def ratio(self) -> float | None:
-        """``dense / moved``: how many times fewer bytes than dense (None when unknown)."""
-        return None if self.dense is None or not self.moved else self.dense / self.moved
-
-
-# Bytes per element of the dtypes a manifest names (the inspector has no torch).
-_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4}
-
-
-def _model_bytes(manifest: Manifest | None) -> int | None:
-    """The dense bytes of one round of every fragment (None when a dtype is unknown)."""
-    if manifest is None:
-        return None
-    total = 0
-    for specs in manifest.fragments:
-        for spec in specs:
-            size = _ITEMSIZE.get(spec.dtype.removeprefix("torch."))
-            if size is None:
-                return None
-            total += size * math.prod(spec.shape)
-    return total
-
-
-def describe_compression(algorithm: Mapping[str, Any] | None) -> str:
-    """A manifest's compression settings in words: ``top-2% of 4096, 2-bit``,
-    ``bfloat16``, ``int8``, or ``none (float32)``."""
-    settings = None if algorithm is None else algorithm.get("compression")
-    if not isinstance(settings, Mapping):
-        return "none (float32)"
-    name = settings.get("name")
-    if name == "topk":
-        density = 100 * float(settings.get("density", 0))
-        return f"top-{density:.3g}% of {settings.get('chunk')}, {settings.get('bits')}-bit"
-    if name == "cast":
-        return str(settings.get("dtype"))
-    if name == "quantize":
-        return f"int{settings.get('bits')}"
-    return str(name)
-
-
-@dataclass(frozen=True)
-class GroupRoundView:
-    """One group round of a Moshpit run, from its group commits (``group-rounds/{t}/``)
-    the watcher read: how many groups committed, their sizes (members each, ascending),
-    and the samples they hold."""
-
-    round: int
-    sizes: tuple[int, ...]  # members of each group commit, ascending
-    samples: int  # the commits' samples, summed
-
-    @property
-    def groups(self) -> int:
-        return len(self.sizes)
-
-    @property
-    def learners(self) -> int:
-        """Learners that were in a group of this round (each is in at most one)."""
-        return sum(self.sizes)
-
-    @property
-    def min_size(self) -> int:
-        return min(self.sizes, default=0)
-
-    @property
-    def max_size(self) -> int:
-        return max(self.sizes, default=0)
-
-    @property
-    def median_size(self) -> float:
-        return float(statistics.median(self.sizes)) if self.sizes else 0.0
-
-
-@dataclass(frozen=True)
-class GroupsView:
-    """A Moshpit run's group rounds (``algorithms/moshpit.py``), read by listing keys and
-    reading the small group commit records of the newest rounds (never a payload).
-
-    ``versions``: each learner's newest group round it published a snapshot to, as the
-    listings of ``group-snapshots/`` showed them (a round the sweep removed before this
-    watcher listed it is not seen). ``spread``: among the live learners with a version,
-    the newest minus the oldest (0 when they are all in the same round; None when no live
-    learner has published yet). ``open_groups``: of the recent rounds (the newest
-    GROUP_WINDOW seen, and any newer one under way), the groups that have snapshots but no
-    commit yet: still open, or closed by nobody."""
-
-    group_size: int
-    grid_dims: int
-    slots: int  # grid slots claimed (grid/): learners that ever joined, restarts not counted
-    newest_round: int | None  # the newest group round with a commit
-    rounds: tuple[GroupRoundView, ...]  # the newest GROUP_WINDOW rounds with commits, oldest first
-    versions: Mapping[str, int]
-    spread: int | None
-    open_groups: Mapping[int, tuple[str, ...]]
-
-    @property
-    def newest(self) -> GroupRoundView | None:
-        return self.rounds[-1] if self.rounds else None
-
-    @property
-    def grid_cells(self) -> int:
-        return int(self.group_size**self.grid_dims)
-
-    def describe(self) -> str:
-        """One line: ``round 12, 4 groups of 2–4 (median 4), versions spread 1``."""
-        newest = self.newest
-        if newest is None:
-            return "no group round committed yet"
-        sizes = (
-            str(newest.min_size)
-            if newest.min_size == newest.max_size
-            else f"{newest.min_size}–{newest.max_size} (median {newest.median_size:g})"
-        )
-        spread = "—" if self.spread is None else str(self.spread)
-        plural = "group" if newest.groups == 1 else "groups"
-        return (
-            f"round {newest.round}, {newest.groups} {plural} of {sizes}, versions spread {spread}"
-        )
-
-
-def _forget_before(rounds: dict[int, Any], newest: int | None) -> None:
-    """Drop the rounds of ``rounds`` more than _GROUP_MEMORY behind ``newest``."""
-    if newest is not None:
-        for t in [t for t in rounds if t <= newest - _GROUP_MEMORY]:
-            del rounds[t]
-
-
-def _is_moshpit(manifest: Manifest | None) -> bool:
-    return manifest is not None and manifest.algorithm.get("name") == "moshpit"
-
-
-def _setting(manifest: Manifest, name: str) -> int:
-    value = manifest.algorithm.get(name)
-    return value if isinstance(value, int) else 0
 
 
 @dataclass(frozen=True)
@@ -423,12 +267,9 @@ class RunWatcher:
         self._commit_seen_poll: int | None = None  # the poll that saw the newest commit
         self._first_beats: dict[str, int | None] = {}  # learner -> its beat at the first poll
         # A Moshpit run's group rounds (read only when the manifest names moshpit).
-        self._group_commits: dict[int, dict[str, tuple[tuple[str, ...], int]]] = {}
-        self._group_newest: int | None = None  # newest group round with a commit read
-        self._group_snaps: dict[int, set[str]] = {}  # round -> groups with snapshots listed
-        self._snap_newest: int | None = None  # newest group round with a snapshot listed
-        self._versions: dict[str, int] = {}  # learner -> newest group round it published to
-        self._slots = 0
+        self._groups = GroupWatcher(
+            mailbox, clock=clock, decode=partial(_decode, decode_commit), batch=_BATCH
+        )
 
     async def poll(self) -> RunView:
         """Read what is new in the mailbox and return the whole view."""
@@ -439,8 +280,10 @@ class RunWatcher:
             await self._read_heads()
             if self._manifest is not None:
                 await self._read_rounds(self._manifest.num_fragments)
-            if _is_moshpit(self._manifest):
-                await self._read_groups()
+            if is_moshpit(self._manifest):
+                seen = await self._groups.poll()
+                if seen is not None:  # a newer group round: its commit's age starts now
+                    self._commit_seen_at, self._commit_seen_poll = seen, self._polls
             self._leases.observe(await self._mailbox.list(LEASES))
             for learner, lease in self._leases.known().items():
                 # A learner listed at the first poll: its beat's age is unknown until the
@@ -530,95 +373,6 @@ class RunWatcher:
         if r >= fragments and (self._last_training is None or r > self._last_training.round):
             self._last_training = commit  # commits may land out of order
 
-    async def _read_groups(self) -> None:
-        """A Moshpit run's group rounds: the group commit records not read yet of the
-        newest rounds (each read once), and listings of snapshots and slots (keys only).
-        Each listing starts GROUP_WINDOW rounds behind the newest seen, so a poll lists
-        what is new and what may still change; a first poll lists everything stored (the
-        learners' sweep keeps a few rounds) and reads the records of the newest rounds."""
-        newest = self._group_newest
-        after = "" if newest is None else group_round_prefix(max(1, newest - GROUP_WINDOW + 1))
-        found: dict[int, list[str]] = {}
-        for key in await self._mailbox.list(GROUP_ROUNDS, after=after):
-            try:
-                t, group = parse_group_round_key(key)
-            except ProtocolError:
-                continue  # not a group commit (someone else's object): ignore it
-            if group not in self._group_commits.get(t, {}):
-                found.setdefault(t, []).append(key)
-        if found:
-            top = max(found) if newest is None else max(newest, *found)
-            keys = [k for t, ks in sorted(found.items()) if t > top - _GROUP_MEMORY for k in ks]
-            for start in range(0, len(keys), _BATCH):
-                batch = keys[start : start + _BATCH]
-                records = await self._read_all(batch)
-                seen = self._clock()
-                for key, data in zip(batch, records, strict=True):
-                    if data is None:
-                        continue  # swept since the listing
-                    commit = _decode(decode_commit, key, data)  # checks key against record
-                    members = tuple(c.learner for c in commit.contributors)
-                    t = commit.round
-                    self._group_commits.setdefault(t, {})[commit.group or ""] = (
-                        members,
-                        commit.samples,
-                    )
-                    if self._group_newest is None or t > self._group_newest:
-                        self._group_newest, self._commit_seen_at = t, seen
-                        self._commit_seen_poll = self._polls
-        top_snap = self._snap_newest
-        after = (
-            "" if top_snap is None else group_snapshots_prefix(max(1, top_snap - GROUP_WINDOW + 1))
-        )
-        for key in await self._mailbox.list(GROUP_SNAPSHOTS, after=after):
-            try:
-                t, group, learner = parse_group_snapshot_key(key)
-            except ProtocolError:
-                continue
-            self._versions[learner] = max(t, self._versions.get(learner, 0))
-            self._group_snaps.setdefault(t, set()).add(group)
-            if self._snap_newest is None or t > self._snap_newest:
-                self._snap_newest = t
-        slots = 0
-        for key in await self._mailbox.list(GRID):
-            try:
-                parse_grid_key(key)
-            except ProtocolError:
-                continue
-            slots += 1
-        self._slots = slots
-        # Memory stays bounded: the newest _GROUP_MEMORY rounds of each.
-        _forget_before(self._group_commits, self._group_newest)
-        _forget_before(self._group_snaps, self._snap_newest)
-
-    def _groups_view(self, manifest: Manifest, live: set[str]) -> GroupsView:
-        committed = sorted(self._group_commits)[-GROUP_WINDOW:]
-        rounds = tuple(
-            GroupRoundView(
-                round=t,
-                sizes=tuple(sorted(len(m) for m, _ in self._group_commits[t].values())),
-                samples=sum(samples for _, samples in self._group_commits[t].values()),
-            )
-            for t in committed
-        )
-        oldest = committed[0] if committed else 1
-        open_groups = {
-            t: tuple(sorted(groups - set(self._group_commits.get(t, {}))))
-            for t, groups in sorted(self._group_snaps.items())
-            if t >= oldest and groups - set(self._group_commits.get(t, {}))
-        }
-        known = [t for learner, t in self._versions.items() if learner in live]
-        return GroupsView(
-            group_size=_setting(manifest, "group_size"),
-            grid_dims=_setting(manifest, "grid_dims"),
-            slots=self._slots,
-            newest_round=self._group_newest,
-            rounds=rounds,
-            versions=MappingProxyType(dict(sorted(self._versions.items()))),
-            spread=max(known) - min(known) if known else None,
-            open_groups=MappingProxyType(open_groups),
-        )
-
     async def _read_beats(self) -> None:
         changed = [
             (lease.learner, lease.beat)
@@ -695,7 +449,7 @@ class RunWatcher:
         # Each sample is in one round of every fragment: counted once, it is the mean.
         per = manifest.num_fragments if manifest else 1
         samples = sum(t.samples for t in self._totals.values()) // per
-        if _is_moshpit(manifest):  # no run-wide commit: what the learners' beats report
+        if is_moshpit(manifest):  # no run-wide commit: what the learners' beats report
             samples = sum(v.samples or 0 for v in learners)
         if samples != self._reported_samples:
             self._changes = [*self._changes[-1:], (now, samples)]
@@ -709,12 +463,11 @@ class RunWatcher:
         newest_round = last.round if last else None
         contributors = tuple(c.learner for c in last.contributors) if last else ()
         groups = None
-        if manifest is not None and _is_moshpit(manifest):
-            groups = self._groups_view(manifest, {v.learner for v in learners if v.live})
+        if manifest is not None and is_moshpit(manifest):
+            groups = self._groups.view(manifest, {v.learner for v in learners if v.live})
             rounds_committed = groups.newest_round or 0
             newest_round = groups.newest_round
-            members = self._group_commits.get(groups.newest_round or 0, {}).values()
-            contributors = tuple(sorted(learner for m, _ in members for learner in m))
+            contributors = self._groups.members(groups.newest_round)
         return RunView(
             exists=manifest is not None or self._claim is not None,
             creator=creator,
@@ -733,7 +486,7 @@ class RunWatcher:
             ),
             samples_per_second=rate,
             commit_age_known=bool(self._commit_seen_poll),
-            model_bytes=_model_bytes(manifest),
+            model_bytes=model_bytes(manifest),
             groups=groups,
         )
 

@@ -29,6 +29,7 @@ import torch
 import gradientmail as gm
 from gradientmail import wire as p
 from gradientmail.cli import main
+from gradientmail.cli._report import curve_notes, run_algorithm
 from gradientmail.events import Counters
 from gradientmail.inspect import GroupsView, RunView, RunWatcher, inspect_run
 from gradientmail.mailbox.metered import Metered
@@ -525,6 +526,25 @@ def test_inspect_stays_free_of_torch() -> None:
     code = "import sys, gradientmail.inspect; assert 'torch' not in sys.modules, 'torch'"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+
+
+def test_the_run_report_says_what_the_curves_of_a_moshpit_run_show(run: MoshpitRun) -> None:
+    """``gradientmail run``'s notes under the loss curves follow the manifest's algorithm:
+    a Moshpit run has no commit of every fragment, its groups average among themselves."""
+    assert run_algorithm(run.box) == "moshpit"
+    aligned, own = curve_notes(run_algorithm(run.box))
+    assert aligned == (
+        "the average of the newest group round's commits, what `gradientmail align` loads"
+    )
+    assert own == "its own model: its shard between syncs, its group's average at each sync"
+    box = gm.MemoryMailbox()
+    assert run_algorithm(box) is None  # no manifest yet: the notes of a DiLoCo run
+    Run(box).manifest()
+    assert run_algorithm(box) == "diloco"
+    for algorithm in ("diloco", None):
+        aligned, own = curve_notes(algorithm)
+        assert aligned == "the newest commit of every fragment, what `gradientmail align` loads"
+        assert own == "its own model: its shard between syncs, each fragment's commit at its syncs"
 
 
 def test_align_says_when_the_grid_has_averaged_everyone(

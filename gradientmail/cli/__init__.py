@@ -4,8 +4,10 @@ Subcommands, one file each:
 
 - ``run`` (``run.py``): a GradientMailRun as local node processes, with the environment the
   operator injects, a live table, clean Ctrl-C; ``spec.py`` reads and validates the file,
-  ``_nodes.py`` starts, reads, restarts and stops the processes and watches the mailbox.
-- ``status`` (``table.py``): the same table for any run, read from its mailbox.
+  ``_nodes.py`` starts, reads, restarts and stops the processes and watches the mailbox,
+  ``_report.py`` shows the built-in language model's loss curves.
+- ``status`` (``table.py``): the same table for any run, read from its mailbox;
+  ``_groups_table.py`` renders a Moshpit run's group rounds in it.
 - ``align`` and ``verify`` (``tools.py``): the newest parameters into one safetensors
   file; every commit recomputed.
 - ``sweep`` and ``rm`` (``housekeeping.py``): deleting, after a confirmation.

@@ -2,8 +2,9 @@
 validation loss while the run goes, and at the end its curve beside one node's, a PNG of
 both in the run folder, and a few lines the aligned model writes.
 
-**Who evaluates the aligned model.** The aligned model is the newest commit of every
-fragment (what :func:`gradientmail.align` loads). :class:`AlignedEval` evaluates it in the
+**Who evaluates the aligned model.** The aligned model is what :func:`gradientmail.align`
+loads: the newest commit of every fragment, or for a Moshpit run (no run-wide commits) the
+average of the newest group round's commits. :class:`AlignedEval` evaluates it in the
 ``gradientmail run`` process, on a thread, on the same fixed validation windows the nodes
 know (:func:`gradientmail._lm.cached_corpus`): at most every ``interval`` seconds and only
 when a round was committed since the last evaluation. That is one forward pass over 64
@@ -15,8 +16,10 @@ slow the training they share the cores with.
 
 **The node's curve** is node 0's own local model, which it evaluates on the same windows
 at each progress line (``val Y``): a model that trains on its shard alone between syncs
-and takes the aligned values of a fragment at each of that fragment's sync points. It is
-labelled as such, not as "a node alone": no node trains without the others here.
+and takes the aligned values of a fragment at each of that fragment's sync points (under
+Moshpit, its group's average at each sync). It is labelled as such, not as "a node
+alone": no node trains without the others here. :func:`curve_notes` says which, by the
+algorithm the run's manifest names.
 
 The terminal sparkline (:func:`sparkline`) and the PNG (:func:`plot_png`, written with
 ``zlib`` and ``struct``: no plotting dependency) are torch-free; torch is imported only on
@@ -44,14 +47,17 @@ from rich.text import Text
 if TYPE_CHECKING:
     from gradientmail.cli._nodes import Node
     from gradientmail.inspect import RunView
+    from gradientmail.mailbox import Mailbox
     from gradientmail.node import LmSettings
 
 __all__ = [
     "AlignedEval",
     "Curve",
+    "curve_notes",
     "finish",
     "plot_png",
     "png_bytes",
+    "run_algorithm",
     "sparkline",
     "status_line",
     "summary",
@@ -224,6 +230,17 @@ class Curve:
         return f"{first:.3f} → {last:.3f}" if len(self.points) > 1 else f"{last:.3f}"
 
 
+def run_algorithm(box: Mailbox) -> str | None:
+    """The name of the algorithm the run's manifest records (None before the manifest)."""
+    from gradientmail import wire
+    from gradientmail.coord.threads import run_coroutine
+
+    data = run_coroutine(box.get(wire.MANIFEST))
+    if data is None:
+        return None
+    return str(wire.decode_manifest(wire.MANIFEST, data).algorithm.get("name", ""))
+
+
 class AlignedEval(threading.Thread):
     """Evaluates the run's aligned model every ``interval`` seconds, when ``version()`` (the
     watcher's rounds committed) changed since the last time; :meth:`finish` stops it and
@@ -245,6 +262,7 @@ class AlignedEval(threading.Thread):
         self.interval = interval
         self.curve = Curve("aligned model")
         self.rounds: dict[int, int] = {}
+        self.algorithm: str | None = None  # the manifest's algorithm name, once read
         self.error: str | None = None
         self._seen: int | None = None
         self._halt = threading.Event()
@@ -290,6 +308,16 @@ class AlignedEval(threading.Thread):
         loss = _lm.evaluate(self._model, self._val)
         self.curve.points.append((time.monotonic() - self.started, loss))
         self.rounds, self._seen, self.error = rounds, version, None
+        if self.algorithm is None:
+            self._read_algorithm()
+
+    def _read_algorithm(self) -> None:
+        """The run's algorithm (align just loaded the run: its manifest is there); a
+        failure leaves it unknown until the next evaluation."""
+        try:
+            self.algorithm = run_algorithm(self._box)
+        except Exception as exc:
+            log.info("aligned model: cannot read the run's algorithm: %s", exc)
 
     def stop(self) -> None:
         """Stop evaluating (the run ended or failed); an evaluation under way completes."""
@@ -317,12 +345,13 @@ class AlignedEval(threading.Thread):
         if not points:
             return Text("aligned model: validation loss — (waiting for the first commit)")
         newest = max(self.rounds.values(), default=0)
+        what = "group round" if self.algorithm == "moshpit" else "round"
         return Text.assemble(
             "aligned model: validation loss ",
             (self.curve.text(), "bold"),
             " nats/byte  ",
             (sparkline([v for _, v in points[-40:]]), "cyan"),
-            f"  ({len(points)} evaluations, newest at round {newest})",
+            f"  ({len(points)} evaluations, newest at {what} {newest})",
         )
 
 
@@ -377,6 +406,20 @@ def _quoted(url: str) -> str:
     return f"'{url}'" if any(c in url for c in "?&; ") else url
 
 
+def curve_notes(algorithm: str | None) -> tuple[str, str]:
+    """What the two curves show, for the run's ``algorithm`` (the manifest's name): the
+    aligned model's, then a node's own model's."""
+    if algorithm == "moshpit":  # no run-wide commits: groups average among themselves
+        return (
+            "the average of the newest group round's commits, what `gradientmail align` loads",
+            "its own model: its shard between syncs, its group's average at each sync",
+        )
+    return (
+        "the newest commit of every fragment, what `gradientmail align` loads",
+        "its own model: its shard between syncs, each fragment's commit at its syncs",
+    )
+
+
 def finish(
     console: Console,
     workdir: Path,
@@ -399,10 +442,7 @@ def finish(
         f"{evaluator.settings.context + 1} bytes), over the run's {end:.0f} s on one scale:"
     )
     pad = max(len(aligned.label), len(node.label))
-    for curve, note in (
-        (aligned, "the newest commit of every fragment, what `gradientmail align` loads"),
-        (node, "its own model: its shard between syncs, each fragment's commit at its syncs"),
-    ):
+    for curve, note in zip((aligned, node), curve_notes(evaluator.algorithm), strict=True):
         spark = sparkline(binned(curve.points, width, end), lo=lo, hi=hi)
         console.print(f"  {escape(curve.label):<{pad}}  {curve.text():<15} {spark}")
         console.print(f"  {'':<{pad}}  [dim]{escape(note)}[/]")

@@ -11,7 +11,7 @@ names the learners that skip or stall.
 For a Moshpit run (``algorithms/moshpit.py``) it shows group rounds instead of rounds: the
 newest group round, how many groups committed in it and their sizes, the spread of the
 learners' versions (the newest group round each published to; a column per learner), and
-the grid; ``groups`` in JSON (None for any other run).
+the grid; ``groups`` in JSON (None for any other run). ``_groups_table.py`` renders those.
 
 The table is rendered from the dict ``status --json`` prints (:func:`view_json`), so the
 two agree field by field. An age needs the watcher to see a change: one poll shows none
@@ -48,8 +48,15 @@ from gradientmail.cli._common import (
     read_head,
     store_error,
 )
+from gradientmail.cli._groups_table import (
+    group_rows,
+    group_versions,
+    groups_json,
+    groups_line,
+    version_cells,
+)
 from gradientmail.errors import MailboxError
-from gradientmail.inspect import STALLING_FRACTION, GroupsView, LearnerView, RunView, RunWatcher
+from gradientmail.inspect import STALLING_FRACTION, LearnerView, RunView, RunWatcher
 
 __all__ = ["NodeRow", "SampleRate", "groups_json", "render_run", "view_json"]
 
@@ -143,36 +150,6 @@ def _learner_json(view: LearnerView, polls: int) -> dict[str, Any]:
         "waiting_fraction": view.waiting_fraction,
         "skipping": view.skipping,
         "stalling": view.stalling,
-    }
-
-
-def groups_json(groups: GroupsView | None) -> dict[str, Any] | None:
-    """A Moshpit run's group rounds as ``status --json`` shows them (None for another run)."""
-    if groups is None:
-        return None
-    return {
-        "group_size": groups.group_size,
-        "grid_dims": groups.grid_dims,
-        "grid_cells": groups.grid_cells,
-        "slots": groups.slots,
-        "newest_round": groups.newest_round,
-        "rounds": [
-            {
-                "round": r.round,
-                "groups": r.groups,
-                "sizes": list(r.sizes),
-                "min_size": r.min_size,
-                "median_size": r.median_size,
-                "max_size": r.max_size,
-                "learners": r.learners,
-                "samples": r.samples,
-            }
-            for r in groups.rounds
-        ],
-        "versions": dict(groups.versions),
-        "version_spread": groups.spread,
-        "open_groups": {str(t): list(g) for t, g in sorted(groups.open_groups.items())},
-        "summary": groups.describe(),
     }
 
 
@@ -309,7 +286,7 @@ def _summary(shown: dict[str, Any] | None) -> RenderableType:
     lag = _age(shown["seconds_since_commit"], shown["commit_age_at_least"])
     groups = shown.get("groups")
     if groups is not None:  # a Moshpit run: group rounds, no run-wide ones
-        _group_rows(grid, shown, groups, rate, lag)
+        group_rows(grid, shown, groups, rate, lag)
     else:
         grid.add_row(
             f"rounds committed [bold]{shown['rounds_committed']}[/]",
@@ -346,34 +323,8 @@ def _summary(shown: dict[str, Any] | None) -> RenderableType:
             "" if ratio is None else f"{ratio:,.1f}× fewer bytes than dense float32",
         )
     if groups is not None:
-        return Group(grid, Text(f"groups: {groups['summary']}"))
+        return Group(grid, groups_line(groups))
     return grid
-
-
-def _group_rows(
-    grid: Table, shown: dict[str, Any], groups: dict[str, Any], rate: str, lag: str
-) -> None:
-    """A Moshpit run's numbers: its newest group round, the learners in its groups, what
-    is still open, the grid (:func:`_summary` adds ``groups: round 12, 4 groups of 2–4
-    (median 4), versions spread 1`` under them)."""
-    newest = "—" if groups["newest_round"] is None else str(groups["newest_round"])
-    in_groups = groups["rounds"][-1]["learners"] if groups["rounds"] else 0
-    grid.add_row(
-        f"group round [bold]{newest}[/]",
-        f"in its groups [bold]{in_groups}[/]",
-        f"live learners [bold]{shown['live_learners']}[/]",
-    )
-    grid.add_row(
-        f"samples/s [bold]{rate}[/]",
-        f"commit lag [bold]{lag}[/]",
-        f"open groups [bold]{sum(len(g) for g in groups['open_groups'].values())}[/]",
-    )
-    grid.add_row(
-        f"grid {'×'.join([str(groups['group_size'])] * groups['grid_dims'])} "
-        f"({groups['slots']} slots)",
-        f"samples trained {shown['samples_committed']:,}",
-        Text(f"creator {shown['creator'] or '—'}"),
-    )
 
 
 def _megabytes(count: int) -> str:
@@ -442,17 +393,10 @@ def _learners(shown: dict[str, Any] | None, nodes: Sequence[NodeRow] | None) -> 
     table.add_column("samples", justify="right", no_wrap=True)
     for heading in ("syncs", "contrib", "skipped", "waited"):
         table.add_column(heading, justify="right", no_wrap=True)
-    groups = None if shown is None else shown.get("groups")
-    versions: dict[str, int] | None = None if groups is None else groups["versions"]
-    if versions is not None:
+    versions = group_versions(shown)
+    if versions is not None:  # a Moshpit run: each learner's group round
         table.add_column("group round", justify="right", no_wrap=True)
     table.add_column("lease (last beat)")
-
-    def version(learner: str) -> list[RenderableType]:
-        if versions is None:
-            return []
-        found = versions.get(learner)
-        return [Text("—", style="dim") if found is None else Text(str(found))]
 
     shown_rows: set[str] = set()
     for node in nodes or ():
@@ -466,7 +410,7 @@ def _learners(shown: dict[str, Any] | None, nodes: Sequence[NodeRow] | None) -> 
             _loss(node.first_loss, node.last_loss),
             _node_samples(node, lv),
             *_sync_cells(lv, share=not wide),
-            *version(node.learner),
+            *version_cells(versions, node.learner),
             _lease(lv),
         )
     for learner, lv in seen.items():
@@ -478,7 +422,7 @@ def _learners(shown: dict[str, Any] | None, nodes: Sequence[NodeRow] | None) -> 
         else:
             cells.append("—" if lv["steps"] is None else f"{lv['steps']:,}")
         cells.append("—" if lv["samples"] is None else f"{lv['samples']:,}")
-        cells += [*_sync_cells(lv, share=not wide), *version(learner), _lease(lv)]
+        cells += [*_sync_cells(lv, share=not wide), *version_cells(versions, learner), _lease(lv)]
         table.add_row(*cells)
     return table
 
