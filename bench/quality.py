@@ -738,7 +738,7 @@ def _run(
     if skipped:
         h.progress(f"compressed arms skipped for the time budget: {', '.join(skipped)}")
         report.notes.append(
-            f"compressed arms not run (the run would have passed {float(budget):.0f} s): "
+            f"compressed arms not run (the run would have passed {float(budget or 0):.0f} s): "
             + ", ".join(skipped)
         )
         report.data["compression_skipped"] = skipped

@@ -1,0 +1,754 @@
+"""Benchmark 8, Moshpit arms: Moshpit SGD's small groups against DiLoCo at 8 learners.
+
+The quality benchmark's data, model and training (``quality.py``, ``_lm.py``), with N = 8
+learner processes instead of 4, each on its own non-IID shard: the corpus's 4 shards by
+top-level package, each cut in two contiguous halves (N / 4 parts each: learners 2j and
+2j + 1 share package group j, different files). Every arm sees the same samples, the same
+total T = N·B·steps:
+
+- ``diloco-N``: ``gm.DiLoCo(sync_every=H, fragments=1)``, N learner processes through
+  ``gm.Session`` on a ``gm.FileMailbox`` (a ``gm.Barrier`` until all joined,
+  ``quorum_size=N``): the reference of this comparison, in the same run;
+- ``moshpit-M2``: ``gm.Moshpit(sync_every=H, group_size=2, grid_dims=3)``, a full 2x2x2 grid
+  of 8 (three group rounds average everyone);
+- ``moshpit-M4``: ``gm.Moshpit(sync_every=H, group_size=4, grid_dims=2)``, 8 of the 16 cells
+  (a partial grid: groups of 4, then of 2, alternately);
+- ``ddp-N``, ``solo-average-N``: in one process, as in ``quality.py`` but over N shards
+  (one model with batch N·B; N copies never syncing, averaged once at the end).
+
+Learners run the ``diloco`` arm's way (``_quality_worker.py``: learner processes, file
+mailbox, ``overlap`` at its default, H the quick preset's), with a generous
+``round_timeout`` so that a group closes because all its members came, not by the clock
+(the short groups and ``missed_groups`` counted show whether one did). Every arm is
+evaluated as a user would, after its learners finished: ``gm.align`` in a separate process
+(for Moshpit: the sample-weighted average of the newest group round's group commits,
+which it logs), and the spread of the learners' own final models (Moshpit learners hold
+different ones). Target: each Moshpit arm's loss within 3% of ``diloco-N``'s.
+
+    .venv/bin/python -m bench.quality_moshpit --quick \\
+        --md bench/results/quality-moshpit.md --json bench/results/quality-moshpit.json
+    .venv/bin/python -m bench.quality_moshpit --tiny      # 4 learners, M=2, d=2: seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from bench import _harness as h
+from bench import _lm
+from bench import quality as q
+
+NAME = "quality-moshpit"
+LEARNERS = 8
+TARGET = 0.03  # a Moshpit arm's validation loss at most 3% above diloco-N's
+ROUND_TIMEOUT = 600.0  # generous: a group closes when all its members came
+LEASE_TIMEOUT = 60.0  # 8 processes on 2 cores: a starved heartbeat must not look gone
+
+TINY = _lm.Sizes(
+    model=_lm.ModelSize(d_model=16, layers=1, heads=2),
+    fast_model=_lm.ModelSize(d_model=16, layers=1, heads=2),
+    batch=2,
+    steps=24,
+    fast_steps=24,
+    context=16,
+    checkpoints=3,
+    eval_windows=8,
+    sync_every=(4,),
+    fragments=(1,),
+    max_stdlib_bytes=100_000,
+)
+"""``--tiny`` and the test: a model of a few thousand parameters, 24 steps, H = 4."""
+
+
+@dataclass(frozen=True)
+class Grid:
+    """A Moshpit arm's grid: ``group_size`` M, ``grid_dims`` d."""
+
+    group_size: int
+    grid_dims: int
+
+    @property
+    def key(self) -> str:
+        return f"moshpit-M{self.group_size}"
+
+    @property
+    def cells(self) -> int:
+        return int(self.group_size**self.grid_dims)
+
+    def spec(self) -> dict[str, Any]:
+        """The learners' algorithm (``_quality_worker.make_algorithm``)."""
+        return {
+            "name": "moshpit",
+            "settings": {"group_size": self.group_size, "grid_dims": self.grid_dims},
+        }
+
+    def describe(self, learners: int) -> str:
+        full = "full grid" if learners == self.cells else f"{learners} of {self.cells} cells"
+        return f"M={self.group_size} d={self.grid_dims} ({full})"
+
+    def expected(self, learners: int, t: int) -> dict[str, int]:
+        """Group key -> members expected in group round ``t`` when the slots ``0 ..
+        learners-1`` are held (dense slots keep their cells: ``moshpit.next_index``)."""
+        from gradientmail.algorithms.moshpit import group_key, initial_index
+
+        return dict(
+            Counter(
+                group_key(initial_index(s, self.group_size, self.grid_dims), t)
+                for s in range(learners)
+            )
+        )
+
+
+DEFAULT_GRIDS = (Grid(2, 3), Grid(4, 2))
+
+
+# -- sizes and data --------------------------------------------------------------------------
+
+
+def sizes_for(ctx: h.Context) -> _lm.Sizes:
+    """``options["sizes"]`` when given; ``--tiny``: :data:`TINY`; else ``quality.py``'s preset
+    (``--quick``: d_model 64, 2 layers, B = 4, 300 steps) with its smallest H and F = 1."""
+    options = ctx.options.get(NAME, {})
+    given = options.get("sizes")
+    if given is not None:
+        return given if isinstance(given, _lm.Sizes) else _lm.Sizes.from_json(given)
+    if options.get("tiny"):
+        return TINY
+    base = q.sizes_for(h.Context(ctx.quick, ctx.large, ctx.workdir))
+    values = base.to_json() | {"sync_every": [min(base.sync_every)], "fragments": [1]}
+    if options.get("steps"):
+        values["steps"] = values["fast_steps"] = int(options["steps"])
+    return _lm.Sizes.from_json(values)
+
+
+def split_shards(
+    shards: Sequence[torch.Tensor], learners: int
+) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
+    """One shard per learner: with more learners than shards (a multiple of them), each
+    shard cut into ``learners / len(shards)`` contiguous parts; with fewer, the shards
+    ``j`` with ``j % learners == i`` joined for learner ``i``. Also what each learner got."""
+    n = len(shards)
+    out: list[torch.Tensor] = []
+    what: list[dict[str, Any]] = []
+    if learners <= n:
+        for i in range(learners):
+            mine = [j for j in range(n) if j % learners == i]
+            out.append(torch.cat([shards[j] for j in mine]) if len(mine) > 1 else shards[i])
+            what.append(
+                {"learner": i, "shards": mine, "part": "whole", "bytes": int(out[-1].numel())}
+            )
+        return out, what
+    if learners % n:
+        raise ValueError(f"{learners} learners: a multiple of the {n} shards, or at most {n}")
+    parts = learners // n
+    for j, shard in enumerate(shards):
+        size = int(shard.numel())
+        for k in range(parts):
+            lo, hi = size * k // parts, size * (k + 1) // parts
+            out.append(shard[lo:hi].clone())
+            what.append(
+                {
+                    "learner": j * parts + k,
+                    "shards": [j],
+                    "part": f"{k + 1}/{parts}",
+                    "bytes": hi - lo,
+                }
+            )
+    return out, what
+
+
+# -- the arms --------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    """One arm of the report."""
+
+    key: str
+    kind: str  # diloco, moshpit, ddp, solo-average
+    setting: str
+    grid: Grid | None = None
+    final_loss: float = math.nan
+    learner_losses: list[float] = field(default_factory=list)
+    curve: list[tuple[int, float]] = field(default_factory=list)
+    wall_s: float = math.nan
+    error: str | None = None
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "kind": self.kind,
+            "setting": self.setting,
+            "grid": None if self.grid is None else [self.grid.group_size, self.grid.grid_dims],
+            "final_loss": self.final_loss,
+            "learner_losses": self.learner_losses,
+            "curve": self.curve,
+            "wall_s": self.wall_s,
+            "error": self.error,
+            "data": self.data,
+        }
+
+
+class Run:
+    """The scratch directory, the data file and the child processes' environment."""
+
+    def __init__(self, ctx: h.Context, sizes: _lm.Sizes, learners: int) -> None:
+        options = ctx.options.get(NAME, {})
+        self.sizes = sizes
+        self.learners = learners
+        self.dir = ctx.workdir / f"{NAME}-{os.getpid()}-{time.monotonic_ns() % 10**6:06d}"
+        self.dir.mkdir(parents=True)
+        self.data = self.dir / "data.pt"
+        self.env = q.child_env(sizes)
+        self.parallel = max(1, (os.cpu_count() or 2) // sizes.threads)
+        self.scale = float(options.get("timeout_scale", 1.0))
+        self.round_timeout = float(options.get("round_timeout", ROUND_TIMEOUT))
+        self.lease_timeout = float(options.get("lease_timeout", LEASE_TIMEOUT))
+        self.poll_interval = options.get("poll_interval")
+        self.rows: dict[str, Row] = {}
+
+    def train_timeout(self) -> float:
+        """A generous bound on one arm's training: N processes share the cores."""
+        share = max(1.0, self.learners / max(1, self.parallel))
+        return self.scale * (300 + 1.5 * self.sizes.steps * share)
+
+    def run_learners(self, row: Row, algorithm: Mapping[str, Any] | None) -> None:
+        """N learner processes on a new file mailbox, then ``gm.align`` and the learners'
+        own models evaluated in another process."""
+        self.rows[row.key] = row
+        h_every = min(self.sizes.sync_every)
+        mailbox = {"kind": "file", "root": str(self.dir / f"mailbox-{row.key}")}
+        timeout = self.train_timeout() * 2
+        params = [self.dir / f"{row.key}.learner-{i}.params.pt" for i in range(self.learners)]
+        jobs = [
+            q.Job(
+                f"{row.key}.learner-{i}",
+                {
+                    "mode": "learner",
+                    "sizes": self.sizes.to_json(),
+                    "data": str(self.data),
+                    "family": "main",
+                    "learner": i,
+                    "learners": self.learners,
+                    "sync_every": h_every,
+                    "fragments": 1,
+                    **({"algorithm": dict(algorithm)} if algorithm is not None else {}),
+                    "mailbox": mailbox,
+                    "timeout": timeout - 60,
+                    "round_timeout": self.round_timeout,
+                    "lease_timeout": self.lease_timeout,
+                    "poll_interval": self.poll_interval,
+                    "save_params": str(params[i]),
+                },
+                timeout,
+                self.dir,
+            )
+            for i in range(self.learners)
+        ]
+        h.progress(f"{row.key}: {self.learners} learner processes ({row.setting})")
+        t0 = time.monotonic()
+        q.run_together(jobs, self.env, row.key)
+        processes_s = time.monotonic() - t0
+        try:
+            results = [job.value() for job in jobs]
+        except q.JobFailed as exc:
+            row.error = str(exc).splitlines()[0]
+            row.data["log"] = str(exc)
+            h.progress(f"{row.key}: FAILED {exc}")
+            return
+        evaluation = q.Job(
+            f"{row.key}.evaluate",
+            {
+                "mode": "evaluate",
+                "sizes": self.sizes.to_json(),
+                "data": str(self.data),
+                "family": "main",
+                "fragments": 1,
+                "sync_every": h_every,
+                "learners": self.learners,
+                "mailbox": mailbox,
+                "learner_params": [str(p) for p in params],
+                "groups": row.grid is not None,
+            },
+            self.scale * 600,
+            self.dir,
+        )
+        q.run_together([evaluation], self.env, f"{row.key} evaluation")
+        try:
+            ev = evaluation.value()
+        except q.JobFailed as exc:
+            row.error = str(exc).splitlines()[0]
+            h.progress(f"{row.key}: evaluation FAILED {exc}")
+            return
+        row.final_loss = float(ev["final_loss"])
+        row.learner_losses = [float(x) for x in ev.get("learner_losses", [])]
+        row.curve = [(int(x), float(y)) for x, y in ev.get("curve", [])]
+        row.wall_s = max(r["train_s"] + r["close_s"] for r in results)
+        row.data = q.summarize(results, ev, processes_s)
+        row.data |= traffic(results, ev, row.grid, self.learners)
+        h.progress(
+            f"{row.key}: validation loss {row.final_loss:.4f} (own {_spread(row)}), "
+            f"{row.data['rounds_per_learner']:.1f} rounds/learner, missed groups "
+            f"{row.data['missed_groups']}, {row.wall_s:.0f} s"
+        )
+
+    def run_inprocess(self, kinds: Sequence[str]) -> None:
+        """``ddp`` and ``solo-average`` over the N shards, a few at a time."""
+        jobs: dict[str, tuple[Row, q.Job]] = {}
+        for kind in kinds:
+            key = f"{kind}-{self.learners}"
+            row = Row(key, kind, "-")
+            spec = {
+                "mode": "inprocess",
+                "sizes": self.sizes.to_json(),
+                "data": str(self.data),
+                "arm": kind,
+                "family": "main",
+                "learners": self.learners,
+            }
+            timeout = self.scale * (300 + 1.5 * self.sizes.steps * self.learners)
+            jobs[key] = (row, q.Job(key, spec, timeout, self.dir))
+            self.rows[key] = row
+
+        def done(job: q.Job) -> None:
+            row = jobs[job.name][0]
+            try:
+                value = job.value()
+            except q.JobFailed as exc:
+                row.error = str(exc).splitlines()[0]
+                h.progress(f"{row.key}: FAILED {exc}")
+                return
+            row.final_loss = float(value["final_loss"])
+            row.curve = [(int(x), float(y)) for x, y in value["curve"]]
+            row.wall_s = float(value["wall_s"])
+            row.learner_losses = [float(x) for x in value.get("learner_losses", [])]
+            row.data = {"train_loss": value["train_loss"]}
+            h.progress(f"{row.key}: validation loss {row.final_loss:.4f} ({row.wall_s:.0f} s)")
+
+        q.run_pool([job for _, job in jobs.values()], self.parallel, self.env, done)
+
+
+def traffic(
+    learners: Sequence[Mapping[str, Any]],
+    ev: Mapping[str, Any],
+    grid: Grid | None,
+    n: int,
+) -> dict[str, Any]:
+    """Bytes per learner per round applied, missed groups, waits; for Moshpit the group
+    rounds' shapes against the grid's (a group short of its expected members closed by
+    ``round_timeout`` or without a member that came late)."""
+
+    def total(name: str) -> Any:
+        values = [r["counters"].get(name) for r in learners]
+        numbers = [v for v in values if isinstance(v, int | float)]
+        return sum(numbers) if numbers else None
+
+    group_rounds = ev.get("group_rounds") or []
+    rounds = len(group_rounds) if grid is not None else len(ev.get("rounds") or [])
+    per = q.per_round(learners, rounds)
+    out: dict[str, Any] = {
+        "bytes_per_round": per,
+        "rounds_per_learner": per["applied"],
+        "missed_groups": total("missed_groups"),
+        "waits_total": total("waits"),
+        "waited_s_max": max(float(r["counters"].get("waited_s", 0.0)) for r in learners),
+        "wait_timeouts": total("wait_timeouts"),
+    }
+    if grid is None:
+        return out
+    sizes: Counter[int] = Counter()
+    short: list[str] = []
+    excluded = 0
+    for entry in group_rounds:
+        t = int(entry["round"])
+        expected = grid.expected(n, t)
+        for g in entry["groups"]:
+            members = len(g["members"])
+            sizes[members] += 1
+            excluded += len(g["excluded"])
+            if members < expected.get(g["group"], 0):
+                short.append(f"{t}/{g['group']}: {members} of {expected[g['group']]}")
+        missing = set(expected) - {g["group"] for g in entry["groups"]}
+        short += [f"{t}/{g}: no commit" for g in sorted(missing)]
+    out |= {
+        "group_rounds": len(group_rounds),
+        "group_commits": sum(len(e["groups"]) for e in group_rounds),
+        "group_sizes": {str(k): v for k, v in sorted(sizes.items())},
+        "short_groups": short,
+        "excluded": excluded,
+        "align_log": list(ev.get("align_log") or []),
+        "align_matches_groups": ev.get("align_matches_groups"),
+    }
+    return out
+
+
+def _spread(row: Row) -> str:
+    if not row.learner_losses:
+        return "-"
+    values = row.learner_losses
+    return f"{sum(values) / len(values):.4f} / {max(values):.4f}"
+
+
+# -- the run ---------------------------------------------------------------------------------
+
+
+def run(ctx: h.Context) -> h.Report:
+    """The benchmark; ``ctx.options[NAME]``: ``learners`` (8), ``grids`` (``[[M, d],
+    ...]``), ``tiny``, ``sizes``, ``steps``, ``inprocess`` (ddp and solo-average: True),
+    ``round_timeout``, ``lease_timeout``, ``poll_interval``, ``timeout_scale``,
+    ``keep_workdir``."""
+    import gradientmail as gm
+
+    options = ctx.options.get(NAME, {})
+    learners = int(options.get("learners", LEARNERS))
+    grids = [Grid(int(m), int(d)) for m, d in options.get("grids") or []] or list(DEFAULT_GRIDS)
+    sizes = sizes_for(ctx)
+    h_every = min(sizes.sync_every)
+    report = h.Report(
+        NAME,
+        f"8b. Training quality: Moshpit groups against DiLoCo at {learners} learners",
+        f"`diloco-{learners}` (DiLoCo H={h_every}, F=1, {learners} learner processes, same "
+        "data, same run)",
+    )
+    started = time.monotonic()
+    bench = Run(ctx, sizes, learners)
+    try:
+        h.progress("reading the standard library's sources")
+        corpus = _lm.build_corpus(sizes)
+        shards, what = split_shards(corpus.shards, learners)
+        torch.save({"shards": shards, "val": corpus.val}, bench.data)
+        library = q.library_commit() | {"gradientmail_file": gm.__file__}
+        params = _lm.param_count(sizes.model, sizes.context)
+        h.progress(
+            f"corpus: {corpus.train_bytes / 1e6:.1f} MB train in {learners} shards; model "
+            f"{params / 1e6:.3f}M params; {sizes.steps} steps of B={sizes.batch}, H={h_every}"
+        )
+        bench.run_learners(
+            Row(f"diloco-{learners}", "diloco", f"DiLoCo H={h_every} F=1"),
+            None,
+        )
+        for grid in grids:
+            bench.run_learners(
+                Row(
+                    grid.key,
+                    "moshpit",
+                    f"Moshpit H={h_every} {grid.describe(learners)}",
+                    grid=grid,
+                ),
+                grid.spec(),
+            )
+        if options.get("inprocess", True):
+            bench.run_inprocess(["ddp", "solo-average"])
+        build_report(report, bench, corpus, what, sizes, library, params)
+        report.data["seconds"] = time.monotonic() - started
+    finally:
+        if not options.get("keep_workdir"):
+            shutil.rmtree(bench.dir, ignore_errors=True)
+    return report
+
+
+def build_report(
+    report: h.Report,
+    bench: Run,
+    corpus: _lm.Corpus,
+    what: Sequence[Mapping[str, Any]],
+    sizes: _lm.Sizes,
+    library: Mapping[str, Any],
+    params: int,
+) -> None:
+    n = bench.learners
+    h_every = min(sizes.sync_every)
+    data = report.table(
+        f"Data: the stdlib's .py sources ({corpus.files} files), {n} non-IID shards",
+        ["learner", "package group (quality.py's shard)", "part", "bytes"],
+        note=(
+            f"quality.py's {len(corpus.shards)} shards by top-level package, "
+            + (
+                f"each cut into {n // len(corpus.shards)} contiguous parts (different files "
+                "of the same package group)"
+                if n > len(corpus.shards)
+                else "joined round-robin"
+            )
+            + f". Validation: {sizes.eval_windows} fixed windows of the held-out 5%. Model "
+            f"{params / 1e6:.3f}M params (d_model {sizes.model.d_model}, {sizes.model.layers} "
+            f"layers, {sizes.model.heads} heads, context {sizes.context}); AdamW lr "
+            f"{sizes.lr:g}; B = {sizes.batch} per learner, {sizes.steps} local steps, H = "
+            f"{h_every}: {sizes.steps // h_every} sync points; T = "
+            f"{n * sizes.batch * sizes.steps} samples; {sizes.threads} torch thread per process."
+        ),
+    )
+    for entry in what:
+        shard_names = ", ".join(_lm.SHARD_NAMES[j].split(" (")[0] for j in entry["shards"])
+        data.add(
+            _lm.learner_id(entry["learner"]),
+            shard_names,
+            entry["part"],
+            h.size(float(entry["bytes"])),
+        )
+    rows = bench.rows
+    ref = rows.get(f"diloco-{n}")
+    ref_loss = ref.final_loss if ref is not None and not ref.error else math.nan
+    table = report.table(
+        "Validation loss (nats per byte; lower is better) and traffic per arm",
+        [
+            "arm",
+            "setting",
+            "loss (aligned)",
+            f"vs diloco-{n}",
+            "learners' own: mean / max",
+            "rounds / learner",
+            "bytes / learner / round: up+down (up)",
+            "missed groups",
+            "short groups",
+            "waits (max s)",
+            "wall (training)",
+        ],
+        note=(
+            "Learner arms: N processes on a file mailbox, evaluated as a user would, after "
+            "they finished: `gm.align` in another process (Moshpit: the sample-weighted "
+            "average of the newest group round's group commits; `align` logs which). "
+            "`learners' own`: the validation loss of each learner's own final model (mean / "
+            "max); solo-average: of each copy. Rounds: group rounds a learner applied "
+            "(DiLoCo: rounds). Bytes: each learner's `counters()` bytes_up + bytes_down "
+            "(every key kind: payloads, records, beats, listings) over the rounds it applied, "
+            "averaged over learners. Missed groups: `counters().missed_groups` summed over "
+            "learners; short groups: group commits with fewer members than their line of the "
+            "grid holds (closed by `round_timeout` or without a late member). Waits: times "
+            "`step()` held training for a commit, summed over learners (the longest total "
+            "wait of one learner). Wall: the slowest learner's training + close (8 processes "
+            "share 2 cores; in-process arms: one process, not comparable)."
+        ),
+    )
+    for row in rows.values():
+        if row.error:
+            table.add(row.key, row.setting, f"ERROR: {row.error}", *[""] * 8)
+            continue
+        d = row.data
+        per = d.get("bytes_per_round")
+        waits = d.get("waits_total")
+        table.add(
+            row.key,
+            row.setting,
+            f"{row.final_loss:.4f}",
+            "reference" if row is ref else q._pct(row.final_loss, ref_loss),
+            _spread(row),
+            q._num(d.get("rounds_per_learner"), "{:.1f}") if per else "-",
+            f"{h.size(per['total'])} (up {h.size(per['up'])})" if per else "-",
+            q._num(d.get("missed_groups")) if row.grid else "-",
+            str(len(d.get("short_groups") or [])) if row.grid else "-",
+            f"{q._num(waits)} ({q._num(d.get('waited_s_max'), '{:.1f}')})" if per else "-",
+            h.secs(row.wall_s),
+        )
+    moshpit = [r for r in rows.values() if r.grid is not None]
+    if moshpit:
+        groups = report.table(
+            "Moshpit group rounds (from the mailbox after the run)",
+            [
+                "arm",
+                "grid",
+                "group rounds",
+                "group commits",
+                "members per group: commits",
+                "short groups",
+                "excluded",
+                "align loaded",
+                "align = average of newest round",
+            ],
+            note=(
+                "Every group commit (`group-rounds/`, none swept): its members; a short group "
+                "has fewer members than its line of the grid holds with these slots."
+            ),
+        )
+        for row in moshpit:
+            assert row.grid is not None
+            d = row.data
+            if row.error:
+                groups.add(row.key, row.grid.describe(n), f"ERROR: {row.error}", *[""] * 6)
+                continue
+            shapes = ", ".join(f"{k}: {v}" for k, v in (d.get("group_sizes") or {}).items())
+            groups.add(
+                row.key,
+                row.grid.describe(n),
+                d.get("group_rounds"),
+                d.get("group_commits"),
+                shapes or "-",
+                "; ".join(d.get("short_groups") or []) or "0",
+                d.get("excluded"),
+                "; ".join(m.removeprefix("align: loaded ") for m in d.get("align_log") or [])
+                or "-",
+                d.get("align_matches_groups"),
+            )
+    for row in moshpit:
+        if row.error or math.isnan(ref_loss):
+            report.target(
+                f"{row.key} validation loss within 3% of diloco-{n}",
+                "n/a",
+                f"<= {100 * TARGET:.0f}% above diloco-{n}",
+                None,
+                row.error or f"no diloco-{n} loss",
+            )
+            continue
+        gap = row.final_loss / ref_loss - 1
+        report.target(
+            f"{row.key} ({row.grid.describe(n) if row.grid else ''}) validation loss within "
+            f"3% of diloco-{n}",
+            f"{row.final_loss:.4f} vs {ref_loss:.4f} ({100 * gap:+.2f}%)",
+            f"<= +{100 * TARGET:.0f}%",
+            gap <= TARGET,
+        )
+    curves = report.table(
+        "Loss curves (validation loss at each checkpoint: samples seen by all learners)",
+        ["arm", *[str(x) for x, _ in next((r.curve for r in rows.values() if r.curve), [])]],
+        note=(
+            "Learner arms: DiLoCo's newest commit at or before the checkpoint; Moshpit's "
+            "newest group round at or before it, its group commits averaged as `align` does."
+        ),
+    )
+    for row in rows.values():
+        if row.curve:
+            curves.add(row.key, *[f"{y:.4f}" for _, y in row.curve])
+    solo = rows.get(f"solo-average-{n}")
+    if solo is not None and not solo.error and not math.isnan(ref_loss):
+        report.notes.append(scale_note(solo, ref_loss, rows.get(f"ddp-{n}"), moshpit, n))
+    report.notes.append(
+        f"Learners: {n} processes, round_timeout {bench.round_timeout:g} s, lease_timeout "
+        f"{bench.lease_timeout:g} s, overlap: the Session default; grid slots are claimed in "
+        "join order, so which shard sits in which cell varies between runs."
+    )
+    report.data |= {
+        "learners": n,
+        "sizes": sizes.to_json(),
+        "library": dict(library),
+        "corpus": corpus.describe(),
+        "shards": list(what),
+        "target": TARGET,
+        "arms": [row.to_json() for row in rows.values()],
+    }
+
+
+def scale_note(solo: Row, ref_loss: float, ddp: Row | None, moshpit: Sequence[Row], n: int) -> str:
+    """How wide the target's 3% is at this size: the gap no communication at all leaves,
+    and the share of it each Moshpit arm closes."""
+    gap = solo.final_loss - ref_loss
+    words = [
+        f"For scale: solo-average-{n} (no communication, one average at the end) is "
+        f"{q._pct(solo.final_loss, ref_loss)} from diloco-{n}"
+    ]
+    if ddp is not None and not ddp.error:
+        words.append(f", ddp-{n} {q._pct(ddp.final_loss, ref_loss)}")
+    closed = [
+        f"{r.key} {100 * (solo.final_loss - r.final_loss) / gap:.0f}%"
+        for r in moshpit
+        if not r.error and gap > 0
+    ]
+    if closed:
+        words.append(
+            "; of the gap between no communication and DiLoCo the Moshpit arms close "
+            + ", ".join(closed)
+        )
+    return "".join(words) + "."
+
+
+# -- the command -----------------------------------------------------------------------------
+
+
+def render_markdown(report: h.Report, command: str, info: Mapping[str, Any]) -> str:
+    lines = [
+        f"# {report.title}",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Run: {datetime.now(UTC).isoformat(timespec='seconds')}; machine: {h.describe(dict(info))}"
+        f"; library {report.data.get('library', {}).get('describe', '?')}; load average at "
+        f"the end {', '.join(f'{x:.2f}' for x in os.getloadavg())}; {report.seconds:.0f} s in all "
+        "(the machine is shared: wall times include others' load).",
+        "",
+        report.render().split("\n", 1)[1].lstrip("\n"),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m bench.quality_moshpit``: this benchmark alone."""
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.quality_moshpit",
+        description=(__doc__ or "").split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="quality.py's quick sizes")
+    size.add_argument("--tiny", action="store_true", help="4 learners, M=2 d=2, a tiny model")
+    parser.add_argument("--learners", type=int, default=None, help="N (default 8; --tiny 4)")
+    parser.add_argument(
+        "--grids",
+        default="",
+        help="Moshpit arms as MxD,... (default 2x3,4x2; --tiny 2x2)",
+    )
+    parser.add_argument("--steps", type=int, default=None, help="local steps per learner")
+    parser.add_argument("--no-inprocess", action="store_true", help="skip ddp and solo-average")
+    parser.add_argument("--round-timeout", type=float, default=ROUND_TIMEOUT)
+    parser.add_argument("--md", type=Path, default=None, help="write the report (markdown)")
+    parser.add_argument("--json", type=Path, default=None, help="write the JSON record")
+    args = parser.parse_args(argv)
+    options: dict[str, Any] = {
+        "inprocess": not args.no_inprocess,
+        "round_timeout": args.round_timeout,
+    }
+    if args.tiny:
+        options |= {"tiny": True, "learners": 4, "grids": [[2, 2]], "poll_interval": 0.1}
+    if args.learners is not None:
+        options["learners"] = args.learners
+    if args.grids:
+        options["grids"] = [[int(x) for x in g.lower().split("x")] for g in args.grids.split(",")]
+    if args.steps is not None:
+        options["steps"] = args.steps
+    info = h.machine()
+    command = " ".join([".venv/bin/python -m bench.quality_moshpit", *(argv or sys.argv[1:])])
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="gm-bench-") as tmp:
+        ctx = h.Context(quick=args.quick, large=False, workdir=Path(tmp), options={NAME: options})
+        report = run(ctx)
+    report.seconds = time.monotonic() - t0
+    print(report.render(), flush=True)
+    if args.md is not None:
+        args.md.parent.mkdir(parents=True, exist_ok=True)
+        args.md.write_text(render_markdown(report, command, info))
+        print(f"markdown: {args.md}")
+    if args.json is not None:
+        record = {
+            "benchmark": NAME,
+            "command": command,
+            "started": datetime.now(UTC).isoformat(timespec="seconds"),
+            "machine": info,
+            "options": options,
+            "report": report.to_json(),
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(record, indent=2, default=str) + "\n")
+        print(f"JSON: {args.json}")
+    failed = report.error or any(r.get("error") for r in report.data.get("arms", []))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
