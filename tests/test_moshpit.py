@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import re
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -23,6 +24,9 @@ import torch
 import gradientmail as gm
 from gradientmail import wire as p
 from gradientmail.algorithms.moshpit import group_key, initial_index, next_index
+from gradientmail.coord.leases import LeaseTracker
+from gradientmail.engine.groups import GroupRounds, GroupSwept
+from gradientmail.engine.layout import ModelLayout
 from gradientmail.engine.verify import verify_group
 from gradientmail.events import Event, GroupMissed, Left, RoundFailed
 
@@ -400,7 +404,9 @@ def test_old_group_rounds_are_swept_and_the_newest_kept() -> None:
     box = gm.MemoryMailbox()
     _run(box, gm.Moshpit(sync_every=1, group_size=2, grid_dims=1), 2, 8, keep_rounds=2)
     rounds = sorted({p.group_round_of(k) or 0 for k in asyncio.run(box.list("group-"))})
-    assert rounds == [6, 7, 8]  # 8 - keep_rounds - 1 = 5 and older are gone
+    # 8 - keep_rounds - grid_dims - 1 = 4 and older are gone: rounds that learners up to
+    # grid_dims rounds behind may still have open are kept.
+    assert rounds == [5, 6, 7, 8]
     named = {
         payload
         for t in rounds
@@ -465,3 +471,38 @@ def test_overlap_keeps_the_local_progress_made_since_the_snapshot() -> None:
     )
     assert final == {0: 0.5, 1: 0.5}
     assert all(c.wait_timeouts == 0 and c.missed_groups == 0 for c in counters.values())
+
+
+def test_the_readme_moshpit_snippet_runs_as_printed() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("\n### Moshpit: small groups instead of one closer\n", 1)[1]
+    match = re.search(r"```python\n(.*?)```", section, re.S)
+    assert match, "no python block in the README's Moshpit section"
+    built: dict[str, object] = {"gm": gm}
+    exec(match.group(1), built)
+    assert built["algorithm"] == gm.Moshpit(sync_every=100, group_size=4, grid_dims=2)
+
+
+def test_a_learner_whose_round_was_swept_moves_on_to_the_newest_round() -> None:
+    box = gm.MemoryMailbox()
+    algorithm = gm.Moshpit(sync_every=1, group_size=2, grid_dims=1)
+    groups = GroupRounds(
+        box,
+        ModelLayout(_model(), algorithm),
+        algorithm,
+        "a",
+        LeaseTracker(3.0),
+        round_timeout=3600.0,
+        claim_timeout=3600.0,
+        keep_rounds=2,
+    )
+    assert asyncio.run(groups.join()) == 0
+    # Its snapshot of round 3 is not there any more: swept while it was behind.
+    with pytest.raises(GroupSwept, match="round 3 was swept"):
+        asyncio.run(groups.try_close(3, "x", p.blob_key("0" * 64), {}))
+    assert groups.missed
+    assert groups.last_round == 3
+    # Its next contribution goes to the newest round anyone published to.
+    record = p.Snapshot(7, "b", 1, p.blob_key("1" * 64), 0, (1,))
+    asyncio.run(box.put_if_absent(p.group_snapshot_key(7, "x", "b"), p.encode(record)))
+    assert asyncio.run(groups.next_round()) == 7

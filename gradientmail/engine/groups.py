@@ -19,9 +19,13 @@ small groups that close independently (keys in ``wire/keys.py``):
   member that finds the record applies it; a learner that is not in it (it came late)
   keeps its own parameters and moves on to the newest round under way. A group of one
   commits its member's own payload: nothing is uploaded or downloaded.
-- **Sweeping.** The closer of round ``t`` deletes round ``t - keep_rounds - 1`` whole
-  (records, claims, payloads no kept record names), the way ``coord/sweep.py`` does for
-  ``rounds/``; the newest group commits stay for ``align`` and late joiners.
+- **Sweeping.** The closer of round ``t`` deletes round ``t - keep_rounds - grid_dims - 1``
+  whole (records, claims, payloads no kept record names), the way ``coord/sweep.py`` does
+  for ``rounds/``; the newest group commits stay for ``align`` and late joiners. Groups
+  close apart, so learners can be up to ``grid_dims`` rounds behind the sweeper with
+  their groups open: those rounds are kept. A learner that fell further behind (its group
+  closed without it by ``round_timeout``) finds its own snapshot swept
+  (:class:`GroupSwept`) and moves on as from a missed group.
 
 Which round a learner publishes to: the one after the group round it last took part in;
 after a round it missed, the newest round anyone has published to (so a learner that fell
@@ -55,6 +59,7 @@ from gradientmail.wire.parts import blob_keys
 __all__ = [
     "GroupOutcome",
     "GroupRounds",
+    "GroupSwept",
     "aligned",
     "average_of",
     "describe_alignment",
@@ -66,6 +71,12 @@ _log = logging.getLogger("gradientmail")
 _MAX_ATTEMPT = 10**4 - 1
 _SLOT_TRIES = 64  # slots tried in one pass of a join (others may be claiming the same)
 _MAX_WATCHES = 256
+
+
+class GroupSwept(ProtocolError):
+    """The group round a learner published to was swept before it saw the group's commit
+    (it fell behind by more than the rounds kept): its contribution is lost, its
+    parameters stay as they were."""
 
 
 @dataclass(frozen=True)
@@ -217,6 +228,14 @@ class GroupRounds:
             return found
         snaps = await retrying(partial(self.box.list, p.group_snapshots_prefix(t, group)))
         members = {k.rpartition("/")[2] for k in snaps}
+        if self.learner not in members:
+            # Its own snapshot is gone: the round was swept while this learner was behind
+            # (its group closed without it, by round_timeout, and the others went on).
+            # Nothing of it can commit now; the caller moves on as from a missed group.
+            self.last_round = max(self.last_round, t)
+            self.missed = True
+            self._watch.pop((t, group), None)
+            raise GroupSwept(f"group {group} of round {t} was swept before it closed")
         await self._read_slots()
         waited = self.clock() - watch.first_seen
         if not (self._expected(t, group) <= members or waited >= self.round_timeout):
@@ -352,8 +371,12 @@ class GroupRounds:
     # -- sweeping ----------------------------------------------------------------------------
 
     async def sweep(self, t: int) -> int | None:
-        """Delete group round ``t - keep_rounds - 1`` (module docstring); the round swept."""
-        old = t - self.keep_rounds - 1
+        """Delete group round ``t - keep_rounds - grid_dims - 1`` (module docstring); the
+        round swept. Groups run apart: a learner in round ``t`` proves only that the
+        learners it met in the ``grid_dims`` rounds before are near, others can be up to
+        ``grid_dims`` rounds behind with their groups still open, so those rounds are
+        kept too."""
+        old = t - self.keep_rounds - self.algorithm.grid_dims - 1
         if old < 1:
             return None
         kept: set[str] = set()

@@ -158,7 +158,15 @@ class _Background:
                 with self._lock:
                     open_rounds = [x for x in self._inflight.values() if x.payload is not None]
                 if open_rounds and time.monotonic() >= next_check:
-                    next_check = time.monotonic() + self.poll_interval
+                    now = time.monotonic()
+                    delay = self.poll_interval
+                    if self._groups is not None:
+                        # A Moshpit learner has no syncer: this loop is what finds its
+                        # group's commit, so it looks as the syncer does, fast right after
+                        # publishing, backing off in proportion to the wait.
+                        since = min(x.published_at or now for x in open_rounds)
+                        delay = _poll_delay(now - since, self.poll_interval)
+                    next_check = now + delay
                     leases = await retrying(partial(self._box.list, p.LEASES), stop=self._stop)
                     self._tracker.observe(leases)
                     for pending in open_rounds:

@@ -19,7 +19,7 @@ import torch
 
 from gradientmail import wire as p
 from gradientmail.coord.retry import Stopped, retrying
-from gradientmail.engine.groups import GroupOutcome, GroupRounds
+from gradientmail.engine.groups import GroupOutcome, GroupRounds, GroupSwept
 from gradientmail.errors import PayloadCorrupt, ProtocolError
 from gradientmail.events import Committed, GroupMissed, Published, PublishFailed, RoundFailed
 from gradientmail.ledger import GLOBAL
@@ -97,6 +97,15 @@ class _GroupSide(_Background):
                 return
         except Stopped:
             raise
+        except GroupSwept as exc:
+            # Fell too far behind: its round is gone. It keeps its parameters (its own
+            # snapshot stands in for the commit) and catches up, as a learner that came late.
+            self._emit(RoundFailed(self.learner_id, round=t, error=str(exc)))
+            self._stage(self._own_commit(t, group, pending.samples, payload), snapshot)
+            with self._lock:
+                self._counters.missed_groups += 1
+            self._emit(GroupMissed(self.learner_id, round=t, group=group))
+            return
         except Exception as exc:
             self._emit(RoundFailed(self.learner_id, round=t, error=f"group {group}: {exc!r}"))
             return
@@ -122,16 +131,7 @@ class _GroupSide(_Background):
         if unusable or not outcome.member:
             # Late: the group closed without it. Its own parameters stand in for the commit,
             # so the training thread lets go of the contribution like any other.
-            commit = p.Commit(
-                round=t,
-                fragment=0,
-                base=None,
-                contributors=(p.Contribution(self.learner_id, pending.samples, payload),),
-                params=payload,
-                momentum=None,
-                closer=self.learner_id,
-                group=group,
-            )
+            commit = self._own_commit(t, group, pending.samples, payload)
             if not outcome.member:
                 with self._lock:
                     self._counters.missed_groups += 1
@@ -156,6 +156,19 @@ class _GroupSide(_Background):
                 raise
             except Exception as exc:  # housekeeping; the group round is committed
                 self._emit(RoundFailed(self.learner_id, round=t, error=f"sweep: {exc!r}"))
+
+    def _own_commit(self, t: int, group: str, samples: int, payload: str) -> p.Commit:
+        """A stand-in commit (never written) of this learner's own contribution alone."""
+        return p.Commit(
+            round=t,
+            fragment=0,
+            base=None,
+            contributors=(p.Contribution(self.learner_id, samples, payload),),
+            params=payload,
+            momentum=None,
+            closer=self.learner_id,
+            group=group,
+        )
 
     async def _group_params(
         self, outcome: GroupOutcome, snapshot: dict[str, torch.Tensor]
