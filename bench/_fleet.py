@@ -10,6 +10,11 @@ returns a :class:`Result`: bytes and requests per learner per round (window delt
 the recording mailbox (``_recorder.py``) bytes by purpose, latency by phase and, per round,
 what its closer downloaded and how long it took from its claim to its ``rounds/`` record.
 
+A Moshpit fleet (``Run(algorithm=gm.Moshpit(...))``) counts group rounds instead: a round of
+the window is a group round ``t``, and every group of it that closed is one closing (its
+closer's successful ``group-claims/`` put to its ``group-rounds/`` record), with what that
+closer downloaded in between (the other members' snapshot payloads).
+
 ``args`` (an ``argparse.Namespace``) carries: rounds, warmup, sync_every, poll_interval,
 step_ms, reps (raw put + get repetitions), ref_steps (bare training steps), max_seconds.
 """
@@ -17,6 +22,8 @@ step_ms, reps (raw put + get repetitions), ref_steps (bare training steps), max_
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import copy
 import math
 import os
@@ -25,10 +32,11 @@ import threading
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -37,6 +45,8 @@ from bench import _harness as h
 from bench._recorder import Op, Recorder, Registry, purpose_of, round_of
 from bench._workload import BATCH, build_model, reference_step
 from gradientmail import events as ev
+from gradientmail import wire as p
+from gradientmail.errors import ProtocolError
 from tests.support import s3servers
 
 MIB = h.MIB
@@ -138,6 +148,36 @@ def file_target(workdir: Path) -> Iterator[Target]:
     yield Target("filesystem", open_box, raw_put_get)
 
 
+@contextmanager
+def memory_target() -> Iterator[Target]:
+    """``gm.MemoryMailbox`` (a store inside this process, no I/O): a fresh one per run. The
+    raw put + get is of that store too (an event loop's calls, no threads)."""
+
+    def open_box() -> tuple[gm.Mailbox, Callable[[], None]]:
+        return gm.MemoryMailbox(f"fleet-{uuid.uuid4().hex[:8]}"), lambda: None
+
+    def raw_put_get(data: bytes) -> float:
+        box = gm.MemoryMailbox(f"raw-{uuid.uuid4().hex[:8]}")
+        key = f"raw-{uuid.uuid4().hex}"
+
+        async def both() -> bytes | None:
+            await box.put_if_absent(key, data)
+            return await box.get(key)
+
+        loop = asyncio.new_event_loop()
+        try:
+            start = time.perf_counter()
+            body = loop.run_until_complete(both())
+            took = time.perf_counter() - start
+        finally:
+            loop.close()
+        assert body is not None
+        assert len(body) == len(data)
+        return took
+
+    yield Target("memory", open_box, raw_put_get)
+
+
 # -- one configuration ---------------------------------------------------------------------
 
 
@@ -199,6 +239,33 @@ class Result:
     applied: float = 0.0
     computed: float = 0.0
     label: str = ""  # the algorithm's label when the run was given one (Run(label=))
+    algorithm: str = "diloco"  # the algorithm's registered name
+    # Per closing of the window (a DiLoCo round, or one Moshpit group), the distinct
+    # snapshot payloads its closer downloaded (N-1 for DiLoCo, M-1 for a full Moshpit
+    # group), and (Moshpit) the members its record lists.
+    closer_snapshot_payloads: list[int] = field(default_factory=list)
+    group_members: list[int] = field(default_factory=list)
+    # Window deltas summed over the learners: contributions that came after their group
+    # closed (Moshpit), and step()/sync() waits that gave up after their bound.
+    missed_groups: int = 0
+    wait_timeouts: int = 0
+    # PublishFailed / RoundFailed / PollFailed events over the whole run, all learners.
+    failures: int = 0
+    # The busiest learner's bytes down per committed round of the window (its counters).
+    busiest_down: float = 0.0
+    # Committed rounds in the window (``rounds`` is at least 1: a divisor); 0 when none
+    # committed within ``max_seconds``.
+    committed_rounds: int = 0
+    # Keys that listings returned, per learner per round of the window (listings cost
+    # requests, and their bytes grow with what they list: not in the counters' bytes).
+    listed_keys: float = 0.0
+    # Over the whole run, drain included: claims won at attempt >= 1 (a closer's claim was
+    # no longer honoured and another took over), GroupMissed events, and Moshpit group
+    # records listing fewer members than ``group_size``.
+    failovers: int = 0
+    missed_total: int = 0
+    short_groups_total: int = 0
+    undrained: int = 0  # training threads still running when the drain's deadline passed
 
 
 @dataclass
@@ -209,6 +276,70 @@ class Closing:
     claim: dict[int, float] = field(default_factory=dict)
     record: dict[int, float] = field(default_factory=dict)
     ops: dict[int, list[Op]] = field(default_factory=dict)
+
+
+@dataclass
+class GroupClosing:
+    """One Moshpit group that closed: its round and name, its closer, the start of that
+    closer's successful claim, the end of its ``group-rounds/`` record, the members the
+    record lists, and the closer's comm-thread operations in between."""
+
+    round: int
+    group: str
+    closer: str
+    claim: float
+    record: float
+    members: int
+    ops: list[Op] = field(default_factory=list)
+
+
+class ListingRecorder(Recorder):
+    """:class:`~bench._recorder.Recorder` that also notes how many keys each listing
+    returned: ``(end, learner, keys)`` appended to ``listed``."""
+
+    def __init__(
+        self,
+        inner: gm.Mailbox,
+        learner: str,
+        log: list[Op],
+        registry: Registry,
+        listed: list[tuple[float, str, int]],
+    ):
+        super().__init__(inner, learner, log, registry)
+        self.listed = listed
+
+    async def list(self, prefix: str, *, after: str = "") -> Sequence[str]:
+        keys = await super().list(prefix, after=after)
+        self.listed.append((time.monotonic(), self.learner, len(keys)))
+        return keys
+
+
+class FleetRegistry(Registry):
+    """:class:`~bench._recorder.Registry`, and Moshpit's group records: the payloads of
+    ``group-snapshots/`` (purpose ``snapshot``), and per ``group-rounds/`` record created,
+    its average's payload (``group params``), its closer and its members."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.group_closer: dict[tuple[int, str], str] = {}
+        self.group_members: dict[tuple[int, str], int] = {}
+
+    def note_put(self, learner: str, key: str, data: bytes, created: bool) -> None:
+        super().note_put(learner, key, data, created)
+        if key.startswith(p.GROUP_SNAPSHOTS):
+            with contextlib.suppress(ProtocolError):
+                snap = p.decode_snapshot(key, data)
+                with self.lock:
+                    self.purpose.setdefault(snap.payload, "snapshot")
+        elif key.startswith(p.GROUP_ROUNDS) and created:
+            with contextlib.suppress(ProtocolError):
+                commit = p.decode_commit(key, data)
+                t, group = p.parse_group_round_key(key)
+                with self.lock:
+                    if len(commit.contributors) > 1:  # alone: its own snapshot's payload
+                        self.purpose.setdefault(commit.params, "group params")
+                    self.group_closer[(t, group)] = learner
+                    self.group_members[(t, group)] = len(commit.contributors)
 
 
 class Run:
@@ -222,12 +353,25 @@ class Run:
         *,
         algorithm: gm.Algorithm | None = None,
         label: str = "",
+        session_options: Mapping[str, Any] | None = None,
+        drain: bool = False,
     ):
         """``algorithm``: what the learners run (default: ``gm.DiLoCo(sync_every=
-        args.sync_every, fragments=fragments)``); ``label`` names it in progress lines."""
+        args.sync_every, fragments=fragments)``); ``label`` names it in progress lines;
+        ``session_options``: more keyword arguments of every ``gm.Session`` (e.g.
+        ``round_timeout``). ``drain``: at the end, every learner trains on to the same step
+        count, the highest any had started, instead of stopping where it is, so that every
+        round one of them contributed to gets its other contributions (with ``sync_every=1``
+        the step count is the round number): none waits out ``round_timeout`` for a learner
+        that stopped before it."""
         self.args = args
         self.algorithm = algorithm
         self.label = label
+        self.session_options = dict(session_options or {})
+        self.drain = drain
+        self._drain_to: int | None = None  # draining: the step count every learner trains to
+        self._highest = 0  # the highest step count a learner started
+        self.listed: list[tuple[float, str, int]] = []
         self.params = params
         # Rounds of P fragments carry 1/P of the model each: measure more of them (twice as
         # many when P > 1), so the window holds whole cycles of fragments.
@@ -236,7 +380,7 @@ class Run:
         self.n = learners
         self.p = fragments
         self.log: list[Op] = []
-        self.registry = Registry()
+        self.registry = FleetRegistry()
         self.stop = threading.Event()
         self.lock = threading.Lock()
         self.committed = fragments - 1  # newest committed round seen (initial: 0..P-1)
@@ -256,9 +400,17 @@ class Run:
         params = list(session.model.parameters())
         alpha = 1e-4 * (1 + index)  # distinct per learner: no two snapshots share a hash
         pause = self.args.step_ms / 1000
-        due = session.algorithm.due_fragment
+        due = _due_fragment(session.algorithm)
         try:
-            while not self.stop.is_set():
+            while True:
+                if not self.drain:
+                    if self.stop.is_set():
+                        break
+                else:
+                    with self.lock:  # a learner that started a step is within _drain_to
+                        if self._drain_to is not None and session.steps >= self._drain_to:
+                            break
+                        self._highest = max(self._highest, session.steps + 1)
                 with torch.no_grad():
                     for param in params:
                         flat = param.view(-1)
@@ -320,10 +472,11 @@ class Run:
             session = gm.Session(
                 model,
                 algorithm=algorithm,
-                mailbox=Recorder(box, learner_id, self.log, self.registry),
+                mailbox=ListingRecorder(box, learner_id, self.log, self.registry, self.listed),
                 learner_id=learner_id,
                 poll_interval=args.poll_interval,
                 on_event=relay,
+                **self.session_options,
             )
             learner = Learner(learner_id, session)
             holder.append(learner)
@@ -372,13 +525,24 @@ class Run:
         cpu1 = time.process_time()
         with self.lock:
             r1 = self.committed
-        if t0 is None or r0 is None:  # never warmed up: measure all of it
+        if t0 is None or r0 is None or (self.drain and r1 == r0):
+            # Never warmed up, or (draining runs) no round committed after the warm-up
+            # within max_seconds: measure all of it, the warm-up round included.
             c0 = [ev.Counters() for _ in learners]
             t0, r0 = started, self.p - 1
             cpu0 = cpu_started
+        if self.drain:
+            with self.lock:
+                self._drain_to = self._highest
+            _progress(f"{name}: draining to step {self._drain_to}")
         self.stop.set()
+        drain_end = time.monotonic() + float(getattr(args, "drain_seconds", 60.0))
         for thread in threads:
-            thread.join(timeout=30)
+            # Draining: one deadline for all (a stuck round would cost 30 s per thread).
+            thread.join(timeout=max(0.0, drain_end - time.monotonic()) if self.drain else 30)
+        undrained = sum(thread.is_alive() for thread in threads)
+        if undrained:
+            _progress(f"{name}: {undrained} training threads still in step()")
 
         _progress(f"{name}: closing ({r1 - r0} rounds measured in {t1 - t0:.1f} s)")
         errors = [f"{x.learner_id}: {x.error!r}" for x in learners if x.error]
@@ -396,6 +560,13 @@ class Run:
         result.ref_step = ref_step
         result.cpu_seconds = cpu1 - cpu0
         result.label = self.label
+        result.algorithm = algorithm.name
+        result.undrained = undrained
+        result.failures = sum(
+            isinstance(e, ev.PublishFailed | ev.RoundFailed | ev.PollFailed)
+            for x in learners
+            for _, e in x.events
+        )
         return result
 
     def _close(self, learner: Learner, errors: list[str]) -> None:
@@ -451,6 +622,18 @@ class Run:
             done = sum(getattr(b, name) - getattr(a, name) for a, b in zip(c0, c1, strict=True))
             return float(done) / per
 
+        def total(name: str) -> int:
+            pairs = zip(c0, c1, strict=True)
+            return int(sum(getattr(b, name) - getattr(a, name) for a, b in pairs))
+
+        busiest_down = max(
+            (
+                sum(b.bytes_down.values()) - sum(a.bytes_down.values())
+                for a, b in zip(c0, c1, strict=True)
+            ),
+            default=0,
+        )
+
         # Commit latency: the learners' own Applied.lag_s, for rounds in the window.
         window = range(r0 + 1, r1 + 1)
         lag = [
@@ -466,7 +649,7 @@ class Run:
         closes = 0
         for op in self.log:
             if t0 <= op.end <= t1:
-                closes += op.op == "put" and op.key.startswith("rounds/")
+                closes += op.op == "put" and op.key.startswith(("rounds/", p.GROUP_ROUNDS))
                 label = purpose_of(op, self.registry)
                 if op.up:
                     purposes[f"{label} [up]"] += op.up
@@ -475,6 +658,16 @@ class Run:
                 recorded += op.up + op.down
         closing = self._closing()
         closed = [r for r in window if r in closing.claim and r in closing.record]
+        # What each closing's closer did between its claim and its record: per DiLoCo round,
+        # or per Moshpit group of the window's group rounds.
+        closings: list[list[Op]] = [closing.ops.get(r, []) for r in closed]
+        seconds = [closing.record[r] - closing.claim[r] for r in closed]
+        members: list[int] = []
+        if isinstance(self.algorithm, gm.Moshpit):
+            groups = [g for g in self._group_closing() if g.round in window]
+            closings = [g.ops for g in groups]
+            seconds = [g.record - g.claim for g in groups]
+            members = [g.members for g in groups]
         steps: dict[str, list[float]] = defaultdict(list)
         for x in learners:
             for sample in x.steps:
@@ -502,10 +695,27 @@ class Run:
             counters_total=(delta("bytes_up") + delta("bytes_down")),
             recorder_total=float(recorded),
             closes=closes / rounds,
-            closer_down=[self._closer_down(closing, r) for r in closed],
-            closer_snapshot_down=[self._closer_down(closing, r, "snapshot") for r in closed],
-            closer_momentum_down=[self._closer_down(closing, r, "momentum") for r in closed],
-            closer_seconds=[closing.record[r] - closing.claim[r] for r in closed],
+            closer_down=[self._down(ops) for ops in closings],
+            closer_snapshot_down=[self._down(ops, "snapshot") for ops in closings],
+            closer_momentum_down=[self._down(ops, "momentum") for ops in closings],
+            closer_seconds=seconds,
+            closer_snapshot_payloads=[self._payloads(ops, "snapshot") for ops in closings],
+            group_members=members,
+            missed_groups=sum(
+                1
+                for x in learners
+                for _, e in x.events
+                if isinstance(e, ev.GroupMissed) and e.round in window
+            ),
+            missed_total=sum(
+                1 for x in learners for _, e in x.events if isinstance(e, ev.GroupMissed)
+            ),
+            short_groups_total=self._short_groups(),
+            failovers=self._failovers(),
+            committed_rounds=max(0, r1 - r0),
+            listed_keys=sum(k for at, _, k in self.listed if t0 <= at <= t1) / per,
+            wait_timeouts=total("wait_timeouts"),
+            busiest_down=busiest_down / rounds,
             up=delta("bytes_up") / per,
             down=delta("bytes_down") / per,
             up_by_kind=by_kind("bytes_up"),
@@ -538,15 +748,84 @@ class Run:
             closing.ops[r] = [o for o in comm[closer] if start <= o.start <= o.end <= end]
         return closing
 
-    def _closer_down(self, closing: Closing, r: int, purpose: str | None = None) -> float:
-        """Bytes round ``r``'s closer downloaded from claim to record (blobs of ``purpose``)."""
+    def _group_closing(self) -> list[GroupClosing]:
+        """Every Moshpit group that closed: its closer's successful claim (the last one it
+        won), its ``group-rounds/`` record and the closer's comm-thread operations between
+        the two."""
+        registry = self.registry
+        assert isinstance(registry, FleetRegistry)
+        claims: dict[tuple[int, str], dict[str, float]] = defaultdict(dict)
+        records: dict[tuple[int, str], float] = {}
+        comm: dict[str, list[Op]] = defaultdict(list)
+        for op in self.log:
+            if op.thread == "comm":
+                comm[op.learner].append(op)
+            if op.op != "put" or not op.ok:
+                continue
+            if op.key.startswith(p.GROUP_CLAIMS):
+                parts = op.key.split("/")
+                if len(parts) == 4 and parts[1].isdigit():
+                    claims[(int(parts[1]), parts[2])][op.learner] = op.start
+            elif op.key.startswith(p.GROUP_ROUNDS):
+                with contextlib.suppress(ProtocolError):
+                    records[p.parse_group_round_key(op.key)] = op.end
+        found: list[GroupClosing] = []
+        for (t, group), end in sorted(records.items()):
+            closer = registry.group_closer.get((t, group))
+            start = claims.get((t, group), {}).get(closer or "")
+            if closer is None or start is None:
+                continue
+            ops = [o for o in comm[closer] if start <= o.start <= o.end <= end]
+            found.append(
+                GroupClosing(
+                    t, group, closer, start, end, registry.group_members.get((t, group), 0), ops
+                )
+            )
+        return found
+
+    def _failovers(self) -> int:
+        """Claims (of rounds or of groups) won at attempt >= 1, over the whole run."""
+        won = 0
+        for op in self.log:
+            if op.op != "put" or not op.ok:
+                continue
+            round_claim = op.key.startswith(p.CLAIMS) and round_of(op.key) is not None
+            if round_claim or op.key.startswith(p.GROUP_CLAIMS):
+                with contextlib.suppress(ProtocolError):
+                    won += p.parse_claim_attempt(op.key) >= 1
+        return won
+
+    def _short_groups(self) -> int:
+        """Moshpit group records, over the whole run, listing fewer than M members."""
+        if not isinstance(self.algorithm, gm.Moshpit):
+            return 0
+        registry = self.registry
+        assert isinstance(registry, FleetRegistry)
+        m = self.algorithm.group_size
+        return sum(1 for members in registry.group_members.values() if members < m)
+
+    def _down(self, ops: Sequence[Op], purpose: str | None = None) -> float:
+        """Bytes ``ops`` downloaded (of blobs of ``purpose`` when given)."""
         return float(
             sum(
                 o.down
-                for o in closing.ops.get(r, [])
+                for o in ops
                 if purpose is None
                 or self.registry.purpose.get(self.registry.payload(o.key)) == purpose
             )
+        )
+
+    def _payloads(self, ops: Sequence[Op], purpose: str) -> int:
+        """How many distinct payloads of ``purpose`` ``ops`` downloaded (parts count as
+        their payload)."""
+        return len(
+            {
+                self.registry.payload(o.key)
+                for o in ops
+                if o.op == "get"
+                and o.down
+                and self.registry.purpose.get(self.registry.payload(o.key)) == purpose
+            }
         )
 
     def _phases(
@@ -602,6 +881,17 @@ class Run:
                     )
                 phases["record -> applied"].append(applied[(r, learner)] - record[r])
         return dict(phases)
+
+
+def _due_fragment(algorithm: Any) -> Callable[[int], int | None]:
+    """The fragment due after local step ``step`` (1-based): the algorithm's own
+    ``due_fragment`` (DiLoCo's), else from its ``offset``s (Moshpit's one fragment)."""
+    own = getattr(algorithm, "due_fragment", None)
+    if own is not None:
+        return own  # type: ignore[no-any-return]
+    offsets = {algorithm.offset(f): f for f in range(algorithm.fragments)}
+    every = int(algorithm.sync_every)
+    return lambda step: offsets.get(step % every)
 
 
 def _covered(intervals: list[tuple[float, float]]) -> float:

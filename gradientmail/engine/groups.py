@@ -19,8 +19,9 @@ small groups that close independently (keys in ``wire/keys.py``):
   member that finds the record applies it; a learner that is not in it (it came late)
   keeps its own parameters and moves on to the newest round under way. A group of one
   commits its member's own payload: nothing is uploaded or downloaded.
-- **Sweeping.** The closer of round ``t`` deletes round ``t - keep_rounds - grid_dims - 1``
-  whole (records, claims, payloads no kept record names), the way ``coord/sweep.py`` does
+- **Sweeping.** One closer of round ``t`` (its group is the line through cell 0) deletes
+  round ``t - keep_rounds - grid_dims - 1`` and older ones left unswept, whole (records,
+  claims, payloads no newer record or snapshot names), the way ``coord/sweep.py`` does
   for ``rounds/``; the newest group commits stay for ``align`` and late joiners. Groups
   close apart, so learners can be up to ``grid_dims`` rounds behind the sweeper with
   their groups open: those rounds are kept. A learner that fell further behind (its group
@@ -71,6 +72,7 @@ _log = logging.getLogger("gradientmail")
 _MAX_ATTEMPT = 10**4 - 1
 _SLOT_TRIES = 64  # slots tried in one pass of a join (others may be claiming the same)
 _MAX_WATCHES = 256
+_SWEEP_ROUNDS = 8  # group rounds one sweep deletes, at most (the newest old one, leftovers)
 
 
 class GroupSwept(ProtocolError):
@@ -370,24 +372,63 @@ class GroupRounds:
 
     # -- sweeping ----------------------------------------------------------------------------
 
-    async def sweep(self, t: int) -> int | None:
-        """Delete group round ``t - keep_rounds - grid_dims - 1`` (module docstring); the
-        round swept. Groups run apart: a learner in round ``t`` proves only that the
-        learners it met in the ``grid_dims`` rounds before are near, others can be up to
-        ``grid_dims`` rounds behind with their groups still open, so those rounds are
-        kept too."""
-        old = t - self.keep_rounds - self.algorithm.grid_dims - 1
+    async def sweep(self, t: int, group: str) -> list[int]:
+        """Delete old group rounds (module docstring) after closing ``group`` of round ``t``;
+        the rounds swept. One closer per round sweeps, the one whose group is the line
+        through cell 0 (every closer of a round repeating it would make each learner's
+        requests grow with N); it also sweeps older rounds left unswept (claims are
+        deleted last, so a round with claims is not swept yet), a bounded number per call.
+
+        Groups run apart: a learner in round ``t`` proves only that the learners it met in
+        the ``grid_dims`` rounds before are near; others can be up to ``grid_dims`` rounds
+        behind with their groups still open. So round ``t - keep_rounds - grid_dims - 1``
+        is the newest one swept. Payloads are content-addressed: one that a newer record or
+        snapshot also names (a learner that did not train between two rounds sends the
+        same bytes) is kept."""
+        a = self.algorithm
+        if group != group_key((0,) * a.grid_dims, t):
+            return []
+        old = t - self.keep_rounds - a.grid_dims - 1
         if old < 1:
-            return None
-        kept: set[str] = set()
-        for r in range(old + 1, t + 1):
-            for key in await retrying(partial(self.box.list, p.group_round_prefix(r))):
-                with contextlib.suppress(ProtocolError):
-                    kept |= _named(p.decode_commit(key, await retrying(partial(self.box.get, key))))
-        doomed_records = await retrying(partial(self.box.list, p.group_round_prefix(old)))
-        snaps = await retrying(partial(self.box.list, p.group_snapshots_prefix(old)))
+            return []
+        claimed = await retrying(partial(self.box.list, p.GROUP_CLAIMS))
+        doomed = sorted({r for r in map(p.group_round_of, claimed) if r is not None and r <= old})
+        doomed = doomed[:_SWEEP_ROUNDS]
+        if not doomed:
+            return []
+        # What newer rounds name: their records and their snapshots (open groups too).
+        newer = await retrying(
+            partial(self.box.list, p.GROUP_ROUNDS, after=p.group_round_prefix(doomed[-1] + 1))
+        )
+        newer_snaps = await retrying(
+            partial(
+                self.box.list,
+                p.GROUP_SNAPSHOTS,
+                after=p.group_snapshots_prefix(doomed[-1] + 1),
+            )
+        )
+        kept = await self._payloads_named(
+            [k for k in newer if (p.group_round_of(k) or 0) > doomed[-1]],
+            [k for k in newer_snaps if (p.group_round_of(k) or 0) > doomed[-1]],
+        )
+        for r in doomed:
+            records = await retrying(partial(self.box.list, p.group_round_prefix(r)))
+            snaps = await retrying(partial(self.box.list, p.group_snapshots_prefix(r)))
+            named = await self._payloads_named(records, snaps)
+            blobs = await blob_keys(self.box, named - kept) - await blob_keys(self.box, kept)
+            claims = await retrying(partial(self.box.list, p.group_claims_prefix(r)))
+            # Payloads first, records after, claims last: a record never names a deleted
+            # payload for longer than the sweep takes, and a round with claims left is
+            # known unswept.
+            for batch in (sorted(blobs), snaps, records, claims):
+                if batch:
+                    await retrying(partial(self.box.delete, list(batch)))
+        return doomed
+
+    async def _payloads_named(self, records: Sequence[str], snaps: Sequence[str]) -> set[str]:
+        """The payload keys that group records and group snapshots name."""
         named: set[str] = set()
-        for key in [*doomed_records, *snaps]:
+        for key in [*records, *snaps]:
             data = await retrying(partial(self.box.get, key))
             if data is None:
                 continue
@@ -396,15 +437,7 @@ class GroupRounds:
                     named |= _named(p.decode_commit(key, data))
                 else:
                     named.add(p.decode_snapshot(key, data).payload)
-        blobs = await blob_keys(self.box, named - kept) - await blob_keys(self.box, kept)
-        claims = await retrying(partial(self.box.list, p.group_claims_prefix(old)))
-        # Payloads first, records after, claims last: a record never names a deleted
-        # payload for longer than the sweep takes, and a round with claims left is known
-        # unswept.
-        for batch in (sorted(blobs), snaps, doomed_records, claims):
-            if batch:
-                await retrying(partial(self.box.delete, list(batch)))
-        return old
+        return named
 
 
 def _named(commit: p.Commit) -> set[str]:

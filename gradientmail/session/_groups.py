@@ -151,7 +151,7 @@ class _GroupSide(_Background):
                 )
             )
             try:
-                await groups.sweep(t)
+                await groups.sweep(t, group)
             except Stopped:
                 raise
             except Exception as exc:  # housekeeping; the group round is committed
