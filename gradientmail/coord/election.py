@@ -18,13 +18,20 @@ one write wins and the other adopts it.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import logging
+from collections.abc import Awaitable, Callable, MutableMapping
 from functools import partial
 
+from gradientmail import wire as p
 from gradientmail.coord.retry import retrying
+from gradientmail.errors import ProtocolError
 from gradientmail.mailbox import Mailbox
 
-__all__ = ["abandoned", "claim"]
+__all__ = ["NOBODY", "abandoned", "claim", "read_holder"]
+
+_log = logging.getLogger("gradientmail")
+
+NOBODY = ""  # the holder of a claim whose record cannot be read: never a learner id
 
 
 def abandoned(
@@ -56,3 +63,22 @@ async def claim(
     if await retrying(partial(box.put_if_absent, key, record)):
         return True
     return await holder_of(key) == me
+
+
+async def read_holder(
+    box: Mailbox, key: str, holders: MutableMapping[int, str], attempt: int
+) -> str:
+    """Who holds claim ``key`` (attempt ``attempt``); claims are created once, so each is
+    read at most once (``holders`` remembers). A claim that cannot be decoded is held by
+    :data:`NOBODY` and fails over like a dead holder's; one listed but not readable yet is
+    :data:`NOBODY` for now and read again next time."""
+    if attempt not in holders:
+        data = await retrying(partial(box.get, key))
+        if data is None:
+            return NOBODY
+        try:
+            holders[attempt] = p.decode_claim(key, data).learner
+        except ProtocolError as exc:
+            _log.warning("%s: an unreadable claim counts as a dead claimant's (%s)", key, exc)
+            holders[attempt] = NOBODY
+    return holders[attempt]

@@ -45,7 +45,7 @@ import torch
 
 from gradientmail import wire as p
 from gradientmail.algorithms.base import Algorithm
-from gradientmail.coord.election import abandoned, claim
+from gradientmail.coord.election import abandoned, claim, read_holder
 from gradientmail.coord.leases import LeaseTracker
 from gradientmail.coord.retry import retrying
 from gradientmail.coord.sweep import sweep_after
@@ -70,7 +70,6 @@ _MAX_WATCHES = 1024  # rounds watched at once, at most (a safety net: see _prune
 _REASON_CHARS = 300  # of an exclusion's reason, kept in the record
 _MAX_ATTEMPT = 10**4 - 1  # claim keys have four digits
 _PARTS_HELD = 4  # parts of the commit's two payloads encoded or being written at once
-_UNKNOWN = ""  # the holder of a claim whose record cannot be read: never a learner id
 
 
 @dataclass(frozen=True)
@@ -267,18 +266,7 @@ class RoundCloser:
         return None
 
     async def _holder(self, watch: _Watch, key: str, attempt: int) -> str:
-        """Who holds a claim; claims are created once, so each is read at most once. A claim
-        that cannot be decoded is held by nobody (_UNKNOWN): it fails over like a dead one."""
-        if attempt not in watch.holders:
-            data = await retrying(partial(self.box.get, key))
-            if data is None:
-                return _UNKNOWN  # listed but not readable yet: look again next time
-            try:
-                watch.holders[attempt] = p.decode_claim(key, data).learner
-            except ProtocolError as exc:
-                _log.warning("%s: an unreadable claim counts as a dead claimant's (%s)", key, exc)
-                watch.holders[attempt] = _UNKNOWN
-        return watch.holders[attempt]
+        return await read_holder(self.box, key, watch.holders, attempt)
 
     async def _base(self, r: int) -> p.Commit:
         base_round = r - self.layout.count

@@ -47,7 +47,7 @@ import torch
 
 from gradientmail import wire as p
 from gradientmail.algorithms.moshpit import Moshpit, group_key, initial_index, next_index
-from gradientmail.coord.election import abandoned, claim
+from gradientmail.coord.election import abandoned, claim, read_holder
 from gradientmail.coord.leases import LeaseTracker
 from gradientmail.coord.retry import retrying
 from gradientmail.engine.layout import ModelLayout
@@ -315,15 +315,7 @@ class GroupRounds:
         return None
 
     async def _holder(self, watch: _Watch, key: str, attempt: int) -> str:
-        if attempt not in watch.holders:
-            data = await retrying(partial(self.box.get, key))
-            if data is None:
-                return ""
-            try:
-                watch.holders[attempt] = p.decode_claim(key, data).learner
-            except ProtocolError:
-                watch.holders[attempt] = ""
-        return watch.holders[attempt]
+        return await read_holder(self.box, key, watch.holders, attempt)
 
     async def _close(
         self,
