@@ -25,7 +25,7 @@ import gradientmail as gm
 from gradientmail import wire as p
 from gradientmail.algorithms.moshpit import group_key, initial_index, next_index
 from gradientmail.coord.leases import LeaseTracker
-from gradientmail.engine.groups import GroupRounds, GroupSwept
+from gradientmail.engine.groups import GroupLost, GroupRounds
 from gradientmail.engine.layout import ModelLayout
 from gradientmail.engine.verify import verify_group
 from gradientmail.events import Event, GroupMissed, Left, RoundFailed
@@ -503,7 +503,7 @@ def test_a_learner_whose_round_was_swept_moves_on_to_the_newest_round() -> None:
     )
     assert asyncio.run(groups.join()) == 0
     # Its snapshot of round 3 is not there any more: swept while it was behind.
-    with pytest.raises(GroupSwept, match="round 3 was swept"):
+    with pytest.raises(GroupLost, match="round 3 was swept"):
         asyncio.run(groups.try_close(3, "x", p.blob_key("0" * 64), {}))
     assert groups.missed
     assert groups.last_round == 3
@@ -511,3 +511,25 @@ def test_a_learner_whose_round_was_swept_moves_on_to_the_newest_round() -> None:
     record = p.Snapshot(7, "b", 1, p.blob_key("1" * 64), 0, (1,))
     asyncio.run(box.put_if_absent(p.group_snapshot_key(7, "x", "b"), p.encode(record)))
     assert asyncio.run(groups.next_round()) == 7
+
+
+def test_an_unreadable_group_record_wedges_no_member() -> None:
+    # Round 1's record of group x is garbage (a truncated upload, a bad disk): create-once,
+    # it will never read. Both members report it, keep their parameters and meet again in
+    # round 2, instead of retrying round 1 until their waits give up.
+    box = gm.MemoryMailbox()
+    asyncio.run(box.put_if_absent(p.group_round_key(1, "x"), b'{"format": 1, "rou'))
+    events: list[Event] = []
+    final, counters = _run(
+        box,
+        gm.Moshpit(sync_every=1, group_size=2, grid_dims=1),
+        2,
+        2,
+        on_event=events.append,
+        round_timeout=3600.0,
+        wait_timeout=3600.0,
+    )
+    assert final == {0: 0.5, 1: 0.5}  # round 2 averaged the values they kept
+    assert all(c.missed_groups == 1 and c.wait_timeouts == 0 for c in counters.values())
+    lost = [e for e in events if isinstance(e, RoundFailed) and "cannot be read" in e.error]
+    assert {e.learner for e in lost} == {"l000", "l001"}

@@ -25,8 +25,9 @@ small groups that close independently (keys in ``wire/keys.py``):
   for ``rounds/``; the newest group commits stay for ``align`` and late joiners. Groups
   close apart, so learners can be up to ``grid_dims`` rounds behind the sweeper with
   their groups open: those rounds are kept. A learner that fell further behind (its group
-  closed without it by ``round_timeout``) finds its own snapshot swept
-  (:class:`GroupSwept`) and moves on as from a missed group.
+  closed without it by ``round_timeout``) finds its own snapshot swept, and a member that
+  finds its group's record unreadable can never read it: both move on as from a missed
+  group (:class:`GroupLost`).
 
 Which round a learner publishes to: the one after the group round it last took part in;
 after a round it missed, the newest round anyone has published to (so a learner that fell
@@ -58,9 +59,9 @@ from gradientmail.payload import get_tensors, put_tensors
 from gradientmail.wire.parts import blob_keys
 
 __all__ = [
+    "GroupLost",
     "GroupOutcome",
     "GroupRounds",
-    "GroupSwept",
     "aligned",
     "average_of",
     "describe_alignment",
@@ -75,10 +76,11 @@ _MAX_WATCHES = 256
 _SWEEP_ROUNDS = 8  # group rounds one sweep deletes, at most (the newest old one, leftovers)
 
 
-class GroupSwept(ProtocolError):
-    """The group round a learner published to was swept before it saw the group's commit
-    (it fell behind by more than the rounds kept): its contribution is lost, its
-    parameters stay as they were."""
+class GroupLost(ProtocolError):
+    """The group round a learner published to cannot give it a commit any more: it was
+    swept before the learner saw the group's commit (it fell behind by more than the rounds
+    kept), or the group's record cannot be read (create-once: retrying cannot mend it). Its
+    contribution is lost, its parameters stay as they were, and it moves on."""
 
 
 @dataclass(frozen=True)
@@ -234,10 +236,8 @@ class GroupRounds:
             # Its own snapshot is gone: the round was swept while this learner was behind
             # (its group closed without it, by round_timeout, and the others went on).
             # Nothing of it can commit now; the caller moves on as from a missed group.
-            self.last_round = max(self.last_round, t)
-            self.missed = True
-            self._watch.pop((t, group), None)
-            raise GroupSwept(f"group {group} of round {t} was swept before it closed")
+            self._lost(t, group)
+            raise GroupLost(f"group {group} of round {t} was swept before it closed")
         await self._read_slots()
         waited = self.clock() - watch.first_seen
         if not (self._expected(t, group) <= members or waited >= self.round_timeout):
@@ -251,9 +251,22 @@ class GroupRounds:
         data = await retrying(partial(self.box.get, key))
         if data is None:
             return None
-        commit = p.decode_commit(key, data)
+        try:
+            commit = p.decode_commit(key, data)
+        except ProtocolError as exc:
+            t, group = p.parse_group_round_key(key)
+            self._lost(t, group)
+            raise GroupLost(
+                f"group {group} of round {t}: its record cannot be read ({exc})"
+            ) from exc
         self._watch.pop((commit.round, commit.group or ""), None)
         return self._outcome(commit, None)
+
+    def _lost(self, t: int, group: str) -> None:
+        """Group round ``t`` will never give this learner a commit: it moves on."""
+        self.last_round = max(self.last_round, t)
+        self.missed = True
+        self._watch.pop((t, group), None)
 
     def _outcome(self, commit: p.Commit, params: dict[str, torch.Tensor] | None) -> GroupOutcome:
         """Record what a group round means for this learner: a member moves its grid index

@@ -19,7 +19,7 @@ import torch
 
 from gradientmail import wire as p
 from gradientmail.coord.retry import Stopped, retrying
-from gradientmail.engine.groups import GroupOutcome, GroupRounds, GroupSwept
+from gradientmail.engine.groups import GroupLost, GroupOutcome, GroupRounds
 from gradientmail.errors import PayloadCorrupt, ProtocolError
 from gradientmail.events import Committed, GroupMissed, Published, PublishFailed, RoundFailed
 from gradientmail.ledger import GLOBAL
@@ -97,9 +97,10 @@ class _GroupSide(_Background):
                 return
         except Stopped:
             raise
-        except GroupSwept as exc:
-            # Fell too far behind: its round is gone. It keeps its parameters (its own
-            # snapshot stands in for the commit) and catches up, as a learner that came late.
+        except GroupLost as exc:
+            # Its round is gone (swept while it was behind) or its record unreadable. It
+            # keeps its parameters (its own snapshot stands in for the commit) and catches
+            # up, as a learner that came late.
             self._emit(RoundFailed(self.learner_id, round=t, error=str(exc)))
             self._stage(self._own_commit(t, group, pending.samples, payload), snapshot)
             with self._lock:
