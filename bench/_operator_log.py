@@ -1,7 +1,7 @@
 """The operator benchmark's request log: entries recorded by the API server stand-in, their
 (resource, verb) as RBAC names them, and the per-run-per-minute counts of a window.
 
-Pure: no server, no processes; ``tests/test_bench_operator_load.py`` feeds it a canned log.
+Pure: no server, no processes; ``tests/bench/test_bench_operator_load.py`` feeds it a canned log.
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ here (``__all__``); everything else is private to its package. The layers, lowes
 - ``launch/``: the ``GradientMailRun`` model and the node environment; ``node.py`` is the
   built-in node (``python -m gradientmail.node``), ``_lm.py`` its language model and
   corpus (shared with ``bench/quality.py``).
-- ``inspect.py``: a read-only view of a run (CLI, operator); ``_inspect_groups.py`` reads
-  and shows a Moshpit run's group rounds, ``_inspect_traffic.py`` sizes the bytes moved.
+- ``inspect/``: a read-only view of a run (CLI, operator); its ``_groups.py`` reads
+  and shows a Moshpit run's group rounds, ``_traffic.py`` sizes the bytes moved.
 - ``cli/``: the ``gradientmail`` command; ``testing/``: the mailbox contract suite and fault
   injectors, for users' own tests.
 """

@@ -133,7 +133,7 @@ def from_manifest(settings: Mapping[str, Any]) -> Algorithm:
 def accumulate(acc: torch.Tensor, piece: torch.Tensor, weight: float, first: int = 0) -> None:
     """``acc[first : first + n] += weight · piece`` over the flattened float32 ``acc``: one
     piece of one contribution's tensor. Element-wise, so summing a tensor in pieces gives
-    the same bits as summing it whole (``tests/test_memory.py`` checks it)."""
+    the same bits as summing it whole (``tests/payload/test_memory.py`` checks it)."""
     if weight == 0.0:
         return
     target = acc.view(-1)[first : first + piece.numel()]

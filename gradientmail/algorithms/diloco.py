@@ -207,7 +207,7 @@ class DiLoCo:
         for name, global_value in base.items():
             # dtype= by keyword, here and in the payload code: torch's positional overload
             # parsing leaves small Python blocks behind that wander with thread timing
-            # (tests/test_memory.py reads them as growth).
+            # (tests/payload/test_memory.py reads them as growth).
             g = global_value.to(dtype=torch.float32)  # itself when already float32
             acc = mean[name]
             m_out = None if state_out is None else state_out[name]

@@ -65,7 +65,7 @@ __all__ = ["NodeEnv", "NodeEnvError"]
 PREFIX = "GRADIENTMAIL_"
 ALGORITHMS = ("diloco", "moshpit")
 # gradientmail.algorithms.moshpit's bounds (that module needs torch; this one does not;
-# tests/test_moshpit_launch.py checks that they agree).
+# tests/launch/test_moshpit_launch.py checks that they agree).
 MAX_GROUP_SIZE = 1000
 MAX_GRID_DIMS = 8
 

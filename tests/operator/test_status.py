@@ -10,7 +10,7 @@ from gradientmail import wire as p
 from gradientmail.inspect import RunView, RunWatcher
 from gradientmail_operator.reconcile import Reason
 from gradientmail_operator.status import sync_condition, sync_warnings, view_status
-from tests.test_inspect import Run
+from tests.inspect.test_inspect import Run
 
 
 def poll(watcher: RunWatcher) -> RunView:

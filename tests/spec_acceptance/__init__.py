@@ -5,6 +5,6 @@
 - ``common.py``: what the snippets take as given: ``model``, ``optimizer``, ``dataloader``,
   ``train_step``, defined around them.
 
-``tests/test_spec_acceptance.py`` starts them. The mailbox class is the one the spec prints,
-``tests/thirdparty/spec_file_mailbox.py``.
+``tests/spec_acceptance/test_spec_acceptance.py`` starts them. The mailbox class is the one
+the spec prints, ``tests/thirdparty/spec_file_mailbox.py``.
 """

@@ -1,4 +1,4 @@
-"""One learner of the fault suite (``tests/test_fault_suite.py``), run as a real process:
+"""One learner of the fault suite (``tests/testing/test_fault_suite.py``), run as a real process:
 
     python -m tests.support.fault_learner --mailbox URL --learner NAME --index I --control DIR
 

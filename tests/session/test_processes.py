@@ -43,7 +43,7 @@ from tests.s3env import S3Target, remove_prefix, s3_targets
 from tests.support.waiting import TEST_TIMEOUT, wait_until
 from tests.training import sync_points
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "synthetic.py"
 FRAGMENTS = 4
 SYNC_EVERY = 12

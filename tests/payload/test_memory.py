@@ -34,7 +34,7 @@ from gradientmail.payload import get_tensors, put_tensors, transfer
 from gradientmail.payload.buffers import BufferPool
 from gradientmail.payload.stream import WINDOW, read_into
 from gradientmail.wire.parts import parse_index
-from tests.test_closer_faults import Run, go
+from tests.engine.test_closer_faults import Run, go
 
 MIXED = {
     "a.bf16": (333,),

@@ -34,8 +34,8 @@ from gradientmail.events import Counters
 from gradientmail.inspect import GroupsView, RunView, RunWatcher, inspect_run
 from gradientmail.mailbox.metered import Metered
 from gradientmail.payload import get_tensors
+from tests.inspect.test_inspect import Run
 from tests.support.waiting import TEST_TIMEOUT
-from tests.test_inspect import Run
 
 LEARNERS = 4
 M, D = 2, 2

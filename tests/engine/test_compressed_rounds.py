@@ -251,7 +251,7 @@ def test_status_shows_the_compression_and_the_bytes_moved() -> None:
 
 
 def test_the_readme_compression_snippet_runs_as_printed() -> None:
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     section = readme.split("\n### Compression\n", 1)[1]
     match = re.search(r"```python\n(.*?)```", section, re.S)
     assert match, "no python block in the README's Compression section"

@@ -29,7 +29,7 @@ from gradientmail.cli._common import readable_url
 from gradientmail.cli.spec import load_spec
 from gradientmail.cli.tools import SWEPT_HINT, _ranges
 from tests.conftest import MAILBOXES
-from tests.test_inspect import Run
+from tests.inspect.test_inspect import Run
 from tests.training import Learner, commits, make_model, run_learners
 
 TIMEOUT = 120

@@ -210,7 +210,7 @@ def test_parts_are_swept_with_their_payload_but_shared_parts_are_spared(
     an index names (no orphaned part), no part a kept payload shares with a swept one is gone
     (a frozen tensor's parts recur every round), the newest commits load and verify."""
     from gradientmail.engine.verify import verify_commit
-    from tests.test_session import ALGORITHM
+    from tests.session.test_session import ALGORITHM
     from tests.training import Learner, commits, make_model, run_learners
 
     monkeypatch.setattr(payload, "PART_BYTES", 64)

@@ -17,7 +17,7 @@ from gradientmail.events import Counters
 from gradientmail.inspect import RunWatcher
 from gradientmail.mailbox.metered import Metered
 from gradientmail.wire.records import NO_TOTALS, Totals
-from tests.test_closer import Fixture
+from tests.engine.test_closer import Fixture
 from tests.training import Learner, commits, run_learners, verify_all
 
 KEY = p.round_key(5)

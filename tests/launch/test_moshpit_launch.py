@@ -24,9 +24,9 @@ from gradientmail.launch.env import NodeEnv, NodeEnvError
 from gradientmail.launch.runspec import AlgorithmSpec, GradientMailRunSpec, node_env
 from gradientmail.mailbox.url import open_mailbox
 from gradientmail_operator import crd, render
-from tests.test_cli import cli
+from tests.cli.test_cli import cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHART_CRD = ROOT / "charts/gradientmail-operator/crds/gradientmailruns.yaml"
 BOX = {"url": "file:///tmp/gradientmail-unused"}
 

@@ -20,7 +20,7 @@ from typing import Any
 from gradientmail import wire as p
 from tests.thirdparty.spec_file_mailbox import FileMailbox
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FRAGMENTS = 8
 LIMIT = 150.0  # seconds for each process
 

@@ -43,18 +43,15 @@ from functools import partial
 from types import MappingProxyType
 from typing import Any, TypeVar
 
-from gradientmail._inspect_groups import GROUP_WINDOW as GROUP_WINDOW
-from gradientmail._inspect_groups import (
+from gradientmail.coord.leases import LeaseTracker
+from gradientmail.errors import ProtocolError
+from gradientmail.inspect._groups import (
     GroupRoundView,
     GroupsView,
     GroupWatcher,
     is_moshpit,
 )
-from gradientmail._inspect_traffic import Traffic as Traffic
-from gradientmail._inspect_traffic import describe_compression as describe_compression
-from gradientmail._inspect_traffic import model_bytes
-from gradientmail.coord.leases import LeaseTracker
-from gradientmail.errors import ProtocolError
+from gradientmail.inspect._traffic import Traffic, describe_compression, model_bytes
 from gradientmail.mailbox import Mailbox
 from gradientmail.wire import (
     CREATOR,

@@ -78,7 +78,7 @@ from tests.s3env import remove_prefix, s3_targets
 from tests.support.s3servers import DEFAULT_ACCESS_KEY, DEFAULT_SECRET_KEY, restartable_seaweedfs
 from tests.support.waiting import TEST_TIMEOUT, wait_until
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FRAGMENTS = 2
 LEARNERS = 4
 WARMUP_COMMITS = 2 * FRAGMENTS  # training commits before a fault is injected

@@ -33,9 +33,9 @@ from gradientmail import wire as p
 from gradientmail.cli.run import COMMAND_ANNOTATION
 from gradientmail.coord.leases import WATCH_BEATS, beating
 from gradientmail.errors import ProtocolError
+from tests.cli.test_cli import cli
+from tests.cli.test_cli_run import groups_gone, kill_groups, node_pgids
 from tests.support.waiting import TEST_TIMEOUT, wait_until
-from tests.test_cli import cli
-from tests.test_cli_run import groups_gone, kill_groups, node_pgids
 
 ALGORITHM = gm.DiLoCo(sync_every=10, fragments=2)
 QUICK = ("--sync-every", "10", "--fragments", "2", "--round-timeout", "2")

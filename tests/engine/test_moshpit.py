@@ -479,7 +479,7 @@ def test_overlap_keeps_the_local_progress_made_since_the_snapshot() -> None:
 
 
 def test_the_readme_moshpit_snippet_runs_as_printed() -> None:
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     section = readme.split("\n### Moshpit: small groups instead of one closer\n", 1)[1]
     match = re.search(r"```python\n(.*?)```", section, re.S)
     assert match, "no python block in the README's Moshpit section"

@@ -37,7 +37,7 @@ from gradientmail.patterns.shared_queue import (
 from gradientmail.testing import CheckThenWriteMailbox, FaultyMailbox
 from tests.support.waiting import TEST_TIMEOUT, wait_until
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 Batch = tuple[str, int]
 
 
@@ -555,7 +555,10 @@ def _spawn(
     lease: float,
     log: Path,
 ) -> subprocess.Popen[bytes]:
-    code = "import sys; from tests.test_shared_queue import node_main; node_main(sys.argv[1:])"
+    code = (
+        "import sys; from tests.patterns.test_shared_queue import node_main; "
+        "node_main(sys.argv[1:])"
+    )
     args = [root, learner, nodes, units, batches, step, lease, log]
     return subprocess.Popen(
         [sys.executable, "-c", code, *map(str, args)], cwd=REPO, stderr=subprocess.PIPE

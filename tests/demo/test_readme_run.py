@@ -16,9 +16,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.test_cli import cli
+from tests.cli.test_cli import cli
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NODES, STEPS, SYNC_EVERY, FRAGMENTS = 4, 80, 10, 2
 
 

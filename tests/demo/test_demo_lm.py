@@ -30,7 +30,7 @@ from gradientmail.cli._report import (
 )
 from gradientmail.launch.env import NodeEnv, NodeEnvError
 from gradientmail.node import LmSettings, task_of
-from tests.test_cli import cli
+from tests.cli.test_cli import cli
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

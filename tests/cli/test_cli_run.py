@@ -25,8 +25,8 @@ import yaml
 from gradientmail.cli._nodes import group_alive
 from gradientmail.launch.runspec import GradientMailRunSpec, node_env
 from gradientmail_operator import render
+from tests.cli.test_cli import cli
 from tests.support.waiting import TEST_TIMEOUT, wait_until
-from tests.test_cli import cli
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Za-z0-9]|\r")
 
