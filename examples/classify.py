@@ -2,7 +2,7 @@
 
     gradientmail run --nodes 4 -- python examples/classify.py
 
-Each node reads the node environment (``gradientmail.node.NodeEnv``: mailbox URL, learner
+Each node reads the node environment (``gradientmail.NodeEnv``: mailbox URL, learner
 id, its index, the DiLoCo settings and ``GRADIENTMAIL_STEPS``), lines up with the others at
 the ``start`` barrier, and trains a small MLP on its own shard of the data for that many
 steps inside ``env.session(model)``, calling ``session.step()`` after each optimizer step.
@@ -180,7 +180,7 @@ def evaluate(model: torch.nn.Module, data: tuple[torch.Tensor, torch.Tensor]) ->
 
 
 def run_node(out: Path | None) -> int:
-    """One node of a run: the environment says everything (see gradientmail/node.py)."""
+    """One node of a run: the environment says everything (see gradientmail/launch/env.py)."""
     import gradientmail as gm
     from gradientmail.launch.env import NodeEnv
 

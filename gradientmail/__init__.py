@@ -23,9 +23,11 @@ here (``__all__``); everything else is private to its package. The layers, lowes
   closing rounds (``closer``), recomputing commits (``verify``, public as ``gm.verify``).
 - ``session/``: :class:`Session` (the learner) and :func:`align`.
 - ``patterns/``: :class:`Barrier` and the Shared Queue, on ``coord/``.
-- ``launch/``: the ``GradientMailRun`` model and the node environment; ``node.py`` is the
-  built-in node (``python -m gradientmail.node``), ``_lm.py`` its language model and
-  corpus (shared with ``bench/quality.py``).
+- ``launch/``: the ``GradientMailRun`` model and the node environment (:class:`NodeEnv`,
+  what a node's own script reads).
+- ``demo/``: not the library: the built-in node (``python -m gradientmail.demo.node``), its
+  language model and corpus (shared with ``bench/quality.py``) and what ``gradientmail
+  run`` shows of it; ``node.py`` keeps the node's old path (``gradientmail.node``) working.
 - ``inspect/``: a read-only view of a run (CLI, operator); its ``_groups.py`` reads
   and shows a Moshpit run's group rounds, ``_traffic.py`` sizes the bytes moved.
 - ``cli/``: the ``gradientmail`` command; ``testing/``: the mailbox contract suite and fault
@@ -62,7 +64,9 @@ if TYPE_CHECKING:
         TopK,
     )
     from gradientmail.engine import verify
-    from gradientmail.session import Session, align
+    from gradientmail.engine.align import align
+    from gradientmail.launch.env import NodeEnv
+    from gradientmail.session import Session
 
 __all__ = [
     "Algorithm",
@@ -77,6 +81,7 @@ __all__ = [
     "MemoryMailbox",
     "MemoryUsage",
     "Moshpit",
+    "NodeEnv",
     "PayloadCorrupt",
     "ProtocolError",
     "Quantize",
@@ -105,9 +110,11 @@ _TORCH_NAMES = {
     "Cast": ("gradientmail.algorithms", "Cast"),
     "Quantize": ("gradientmail.algorithms", "Quantize"),
     "Algorithm": ("gradientmail.algorithms", "Algorithm"),
-    "align": ("gradientmail.session", "align"),
+    "align": ("gradientmail.engine.align", "align"),
     "verify": ("gradientmail.engine.verify", None),
-    "node": ("gradientmail.node", None),  # no torch until a node trains; lazy all the same
+    # No torch until a node trains; lazy all the same (``node``: the old path of the demo).
+    "NodeEnv": ("gradientmail.launch.env", "NodeEnv"),
+    "node": ("gradientmail.node", None),
 }
 
 

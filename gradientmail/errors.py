@@ -11,6 +11,11 @@
   or truncated record, a key reported as existing that then reads as missing, a model that
   does not match the run's manifest).
 - :class:`PayloadCorrupt`: a payload's bytes do not match the sha256 in its key.
+- :class:`ObjectMissing`: an object a record names is not in the mailbox (a live run's sweep
+  took it since it was listed, or it was written to another store). A reader of a live
+  run lists again; a reader of a finished run has lost that object.
+- :class:`RoundMissing`: a fragment of the run has no commit yet (the run is still being
+  created, or its creator died half-way and nobody joined since).
 
 Programming errors (a malformed key, an unknown URL scheme) are plain ``ValueError`` /
 ``TypeError``, raised before any I/O.
@@ -22,8 +27,10 @@ __all__ = [
     "MailboxConfigError",
     "MailboxError",
     "MailboxUnavailable",
+    "ObjectMissing",
     "PayloadCorrupt",
     "ProtocolError",
+    "RoundMissing",
 ]
 
 
@@ -59,3 +66,18 @@ class ProtocolError(MailboxError):
 
 class PayloadCorrupt(ProtocolError):
     """A payload's bytes do not hash to the sha256 named in its key."""
+
+
+class ObjectMissing(ProtocolError):
+    """An object that a record names (a payload, a part, a record) reads as missing.
+
+    In a live run the sweep deletes what old commits named, so a reader that listed before
+    the sweep ran finds it gone: list again and read the newer commits. In a finished run
+    (or a different store) the object is lost; the message names its key.
+    """
+
+
+class RoundMissing(ProtocolError):
+    """A fragment of the run has no commit yet, so there is no model to load: the run is
+    still being created (wait, or join it), or its creator died before writing the initial
+    commits (a joining node finishes them)."""

@@ -9,7 +9,7 @@
 # node.
 # Extra arguments go to `gradientmail run` (see --help), e.g. --nodes 4 --steps 1600, or
 # --mailbox 's3://bucket/demo-1?endpoint=http://127.0.0.1:9000'. GRADIENTMAIL_LM=d_model=96
-# changes the model (gradientmail/node.py), GRADIENTMAIL_TASK=synthetic trains a toy MLP.
+# changes the model (gradientmail/demo/node.py), GRADIENTMAIL_TASK=synthetic trains a toy MLP.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install.sh

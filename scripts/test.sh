@@ -7,9 +7,18 @@ cd "$(dirname "$0")/.."
 scripts/install.sh
 
 echo "==> ruff"
-.venv/bin/ruff check gradientmail operator tests bench examples
-.venv/bin/ruff format --check gradientmail operator tests bench examples
+.venv/bin/ruff check gradientmail operator tests testbed bench examples
+.venv/bin/ruff format --check gradientmail operator tests testbed bench examples
 echo "==> mypy --strict gradientmail operator"
 .venv/bin/mypy
-echo "==> pytest (SeaweedFS + moto on loopback)"
-exec .venv/bin/python -m tests.support.s3servers -- .venv/bin/python -m pytest "$@"
+# Two workers (pytest-xdist) share the two cores: most tests wait on processes, stores and
+# timers rather than compute. tests/support/schedule.py decides what runs together and in
+# which order (the longest first). GRADIENTMAIL_TEST_WORKERS=0 runs in one process.
+workers=${GRADIENTMAIL_TEST_WORKERS:-2}
+xdist=(-n "$workers" --dist loadgroup)
+if [[ "$workers" == 0 ]]; then
+  xdist=()
+fi
+echo "==> pytest (SeaweedFS + moto on loopback; ${workers} workers)"
+exec .venv/bin/python -m testbed.s3servers -- .venv/bin/python -m pytest "${xdist[@]}" \
+  --durations=15 "$@"

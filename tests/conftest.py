@@ -2,7 +2,7 @@
 
 ``MAILBOXES`` is a tuple of named generators, each yielding a fresh, empty store; a new
 backend is one generator plus one entry here. S3 entries come from
-``GRADIENTMAIL_S3_ENDPOINT`` (see ``tests/s3env.py``); under CI they are required.
+``GRADIENTMAIL_S3_ENDPOINT`` (see ``testbed/s3env.py``); under CI they are required.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from typing import Any
 import pytest
 
 from gradientmail import FileMailbox, Mailbox, MemoryMailbox
-from tests.s3env import S3Target, ensure_bucket, fresh_s3_mailbox, s3_targets
+from testbed.s3env import S3Target, ensure_bucket, fresh_s3_mailbox, s3_targets
+from tests.support import schedule
 from tests.thirdparty.spec_file_mailbox import FileMailbox as SpecFileMailbox
 
-pytest_plugins = ["tests.kube.fixtures"]  # kube_cluster, kube_apiserver (the Kubernetes stand-in)
+pytest_plugins = ["testbed.kube.fixtures"]  # kube_cluster, kube_apiserver (the Kubernetes stand-in)
 
 
 def memory() -> Iterator[Mailbox]:
@@ -49,7 +50,7 @@ S3_TARGETS = s3_targets()
 if os.environ.get("CI") and not S3_TARGETS:
     raise pytest.UsageError(
         "CI is set but GRADIENTMAIL_S3_ENDPOINT is empty: run the suite through "
-        "`python -m tests.support.s3servers -- pytest` (what scripts/test.sh does)"
+        "`python -m testbed.s3servers -- pytest` (what scripts/test.sh does)"
     )
 
 MAILBOXES: tuple[tuple[str, Callable[[], Iterator[Mailbox]]], ...] = (
@@ -99,6 +100,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    schedule.arrange(config, items)  # in an xdist worker: the longest tests first
     import torch
 
     if torch.cuda.is_available():
@@ -106,6 +108,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("requires_cuda") is not None:
             item.add_marker(pytest.mark.skip(reason=_NO_CUDA))
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, when it is installed
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    return schedule.make_scheduler(config, log)
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:

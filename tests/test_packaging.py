@@ -5,8 +5,9 @@
   where the missing packages cannot be imported);
 - importing the library leaves the process's warning filters alone, and decoding a payload
   warns about nothing;
-- ``gm.node`` after ``import gradientmail``; the README's Training snippet runs as printed
-  (only the mailbox URL swapped for a directory);
+- ``gm.NodeEnv`` (and the old path ``gm.node``) after ``import gradientmail``; the
+  README's training snippet ("Your own training code") runs as printed (only the mailbox
+  URL swapped for a directory);
 - pyproject: SPDX license strings, a small core with extras, ranges only (the tested
   versions in ``constraints.txt``, which the install script and CI use), a scheduled job
   without constraints; the README links nothing outside the repository and never tells
@@ -107,7 +108,7 @@ def test_the_core_imports_without_torch_and_names_the_extra() -> None:
         """
         import asyncio
         import gradientmail as gm
-        import gradientmail.inspect, gradientmail.node
+        import gradientmail.inspect, gradientmail.node, gradientmail.demo.node
         from gradientmail.patterns.barrier import Barrier
 
         box = gm.open_mailbox("memory://core-only")
@@ -139,6 +140,7 @@ def test_importing_gradientmail_leaves_the_warning_filters_alone() -> None:
         before = list(warnings.filters)
         import gradientmail as gm
         import gradientmail.cli, gradientmail.node, gradientmail.payload, gradientmail.session
+        import gradientmail.demo.node, gradientmail.demo.report
         import gradientmail.payload.stream, gradientmail.engine.closer
         gm.Session, gm.DiLoCo, gm.align, gm.verify
         assert warnings.filters == before, [f for f in warnings.filters if f not in before]
@@ -156,11 +158,15 @@ def test_importing_gradientmail_leaves_the_warning_filters_alone() -> None:
     assert "filters unchanged" in out
 
 
-def test_gm_node_is_there_after_import_gradientmail() -> None:
+def test_gm_node_env_and_the_old_node_path_are_there_after_import_gradientmail() -> None:
     out = _child(
         """
         import gradientmail as gm
-        print(gm.node.NodeEnv.__name__, gm.node.main.__name__)
+        import gradientmail.demo.node
+        from gradientmail.launch.env import NodeEnv
+        assert gm.NodeEnv is NodeEnv and gm.node.NodeEnv is NodeEnv
+        assert gm.node.main is gradientmail.demo.node.main
+        print(gm.NodeEnv.__name__, gm.node.main.__name__)
         """
     )
     assert out.split() == ["NodeEnv", "main"]
@@ -170,9 +176,9 @@ def test_gm_node_is_there_after_import_gradientmail() -> None:
 
 
 def _training_snippet() -> str:
-    section = README.split("\n## Training\n", 1)[1]
+    section = README.split("\n## Your own training code\n", 1)[1]
     match = re.search(r"```python\n(.*?)```", section, re.S)
-    assert match, "no python block in the README's Training section"
+    assert match, "no python block in the README's training section"
     return match.group(1)
 
 

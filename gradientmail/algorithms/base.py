@@ -16,7 +16,8 @@ Requirements every implementation keeps:
   contributors); then :meth:`Algorithm.finish` turns those sums and the previous commit
   into the next one. Both are deterministic and element-wise, so any process recomputes a
   commit bit for bit (``engine/verify.py``), however the tensors were cut into pieces on
-  the way (:func:`combine` is the whole-tensor form of the same two steps);
+  the way (``gradientmail.testing.reference.combine`` is the whole-tensor form of the same
+  two steps, the reference the tests and benchmarks compare with);
 - ``settings()`` is JSON and round-trips through ``from_settings``; the manifest records
   it, and a joiner whose settings differ gets a ``ProtocolError`` listing the difference.
 """
@@ -29,9 +30,10 @@ from typing import Any, Protocol, Self, runtime_checkable
 import torch
 
 from gradientmail.ledger import COMBINE, LEDGER
-from gradientmail.wire import BUFFER, PARAM, TensorSpec
+from gradientmail.settings import describe_algorithm
+from gradientmail.wire import TensorSpec
 
-__all__ = ["Algorithm", "Contribution", "Tensors", "accumulate", "combine", "weighted_sum"]
+__all__ = ["Algorithm", "Contribution", "Tensors", "accumulate"]
 
 Tensors = dict[str, torch.Tensor]
 # (learner id, samples since its last contribution, its fragment's tensors)
@@ -110,8 +112,12 @@ ALGORITHMS: dict[str, type[Algorithm]] = {}
 
 
 def register(cls: type[Algorithm]) -> type[Algorithm]:
-    """Make ``cls`` readable from a manifest (by its ``name``)."""
-    ALGORITHMS[cls.__name__.lower()] = cls
+    """Make ``cls`` readable from a manifest (by its ``name``); a class the settings
+    registry does not list gets an entry there (run-wide rounds, its own validation)."""
+    name = cls.__name__.lower()
+    ALGORITHMS[name] = cls
+    summary = (cls.__doc__ or "").strip().split("\n", 1)[0]
+    describe_algorithm(name, cls.__name__, summary)
     return cls
 
 
@@ -142,83 +148,3 @@ def accumulate(acc: torch.Tensor, piece: torch.Tensor, weight: float, first: int
         return
     with LEDGER.holding(COMBINE, piece.numel() * 4):  # the float32 conversion of the piece
         target.add_(piece.reshape(-1).to(dtype=torch.float32), alpha=weight)
-
-
-def weighted_sum(
-    algorithm: Algorithm,
-    like: Mapping[str, torch.Tensor],
-    contributions: Sequence[Contribution],
-    *,
-    buffer_names: Collection[str] = (),
-    closer: str | None = None,
-    out: Tensors | None = None,
-) -> Tensors:
-    """The contributions' weighted sums, whole tensors at a time (the closer streams the
-    same sums part by part): float32, into ``out`` when given (zeroed first). With a
-    compressing algorithm each contribution's tensors are its payload's
-    (``algorithms/contribution.py``), decoded as the closer decodes them."""
-    from gradientmail.algorithms.contribution import add_contribution, compression_of
-
-    ordered = sorted(contributions, key=lambda c: c[0])
-    params_w, buffers_w = algorithm.weights([(c[0], c[1]) for c in ordered], closer)
-    buffers = frozenset(buffer_names)
-    sums: Tensors = {}
-    with torch.no_grad():
-        for name, value in like.items():
-            acc = (
-                torch.zeros(value.shape, dtype=torch.float32, device=value.device)
-                if out is None
-                else out[name].zero_()
-            )
-            sums[name] = acc
-        compressed = compression_of(algorithm)
-        if compressed is not None:
-            specs = [
-                TensorSpec(name, tuple(v.shape), str(v.dtype), BUFFER if name in buffers else PARAM)
-                for name, v in like.items()
-            ]
-            flat = {name: acc.view(size=(-1,)) for name, acc in sums.items()}
-            for i, (learner, _, payload) in enumerate(ordered):
-                by_name = {n: buffers_w[i] if n in buffers else params_w[i] for n in like}
-                add_contribution(
-                    compressed[0], flat, payload, by_name, specs, buffers, where=learner
-                )
-            return sums
-        for name, acc in sums.items():
-            weights = buffers_w if name in buffers else params_w
-            for (_, _, local), weight in zip(ordered, weights, strict=True):
-                accumulate(acc, local[name], weight)
-    return sums
-
-
-def combine(
-    algorithm: Algorithm,
-    base: Mapping[str, torch.Tensor],
-    state: Mapping[str, torch.Tensor] | None,
-    contributions: Sequence[Contribution],
-    *,
-    out: tuple[Tensors, Tensors] | None = None,
-    buffer_names: Collection[str] = (),
-    closer: str | None = None,
-) -> tuple[Tensors, Tensors]:
-    """A round's commit from whole tensors: :func:`weighted_sum`, then ``finish``.
-    ``out``: ``(sums, state)`` buffers written instead of allocating (the sums become the
-    parameters where they are float32); see ``DiLoCo.combine`` for what is checked."""
-    if not contributions:
-        raise ValueError("a round needs at least one contribution")
-    buffers = frozenset(buffer_names)
-    unknown = sorted(buffers - base.keys())
-    if unknown:
-        raise ValueError(f"buffer_names {unknown[:3]} are not among the tensors combined")
-    sums = weighted_sum(
-        algorithm,
-        base,
-        contributions,
-        buffer_names=buffers,
-        closer=closer,
-        out=None if out is None else out[0],
-    )
-    with torch.no_grad():
-        return algorithm.finish(
-            base, state, sums, state_out=None if out is None else out[1], buffer_names=buffers
-        )

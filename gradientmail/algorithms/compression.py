@@ -54,6 +54,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from gradientmail.errors import PayloadCorrupt, ProtocolError
+from gradientmail.settings import check, compressor_info
 
 __all__ = [
     "COMPRESSIONS",
@@ -63,9 +64,6 @@ __all__ = [
     "TopK",
     "compression_from_settings",
 ]
-
-TOPK_MAX_CHUNK = 32768
-"""Largest ``TopK.chunk``: positions inside a chunk are stored as int16."""
 
 
 @runtime_checkable
@@ -288,18 +286,8 @@ class TopK:
     """Elements per chunk, 1 to 32768 (positions inside a chunk are int16)."""
 
     def __post_init__(self) -> None:
-        density = self.density
-        if (
-            isinstance(density, bool)
-            or not isinstance(density, int | float)
-            or not 0 < density <= 1
-        ):
-            raise ValueError(f"TopK(density={density!r}) must be a number in (0, 1]")
-        object.__setattr__(self, "density", float(density))
-        if not _is_int(self.bits) or self.bits not in (2, 4, 8):
-            raise ValueError(f"TopK(bits={self.bits!r}) must be 2, 4 or 8")
-        if not _is_int(self.chunk) or not 1 <= self.chunk <= TOPK_MAX_CHUNK:
-            raise ValueError(f"TopK(chunk={self.chunk!r}) must be an int in [1, {TOPK_MAX_CHUNK}]")
+        check(type(self).__name__, compressor_info("topk").fields, self)
+        object.__setattr__(self, "density", float(self.density))
 
     @property
     def name(self) -> str:
@@ -440,8 +428,7 @@ class Cast:
     """``"bfloat16"`` or ``"float16"``."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.dtype, str) or self.dtype not in CAST_DTYPES:
-            raise ValueError(f"Cast(dtype={self.dtype!r}) must be 'bfloat16' or 'float16'")
+        check(type(self).__name__, compressor_info("cast").fields, self)
 
     @property
     def name(self) -> str:
@@ -510,10 +497,7 @@ class Quantize:
     """Elements per scale, >= 1."""
 
     def __post_init__(self) -> None:
-        if not _is_int(self.bits) or self.bits not in (8, 4):
-            raise ValueError(f"Quantize(bits={self.bits!r}) must be 8 or 4")
-        if not _is_int(self.chunk) or self.chunk < 1:
-            raise ValueError(f"Quantize(chunk={self.chunk!r}) must be an int >= 1")
+        check(type(self).__name__, compressor_info("quantize").fields, self)
 
     @property
     def name(self) -> str:

@@ -46,13 +46,14 @@ from typing import Any, Self
 
 import torch
 
-from gradientmail.algorithms.base import combine, register
+from gradientmail.algorithms.base import register
 from gradientmail.algorithms.compression import Compression, compression_from_settings
+from gradientmail.settings import algorithm_info, check
 from gradientmail.wire import TensorSpec
 
 __all__ = ["BUFFER_MODES", "DiLoCo"]
 
-BUFFER_MODES = ("average", "closer")
+BUFFER_MODES: tuple[str, ...] = algorithm_info("diloco").field("buffers").choices
 
 
 @register
@@ -71,23 +72,12 @@ class DiLoCo:
     pseudo-gradient with error feedback (``gm.TopK``, ``gm.Cast``, ``gm.Quantize``)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.sync_every, int) or self.sync_every < 1:
-            raise ValueError(f"DiLoCo(sync_every={self.sync_every!r}) must be an int >= 1")
-        if not isinstance(self.fragments, int) or self.fragments < 1:
-            raise ValueError(f"DiLoCo(fragments={self.fragments!r}) must be an int >= 1")
+        # Kinds, bounds and the error text come from the registry (gradientmail/settings).
+        check(type(self).__name__, algorithm_info(self.name).fields, self)
         if self.fragments > self.sync_every:
             raise ValueError(
-                f"DiLoCo(fragments={self.fragments}) cannot exceed sync_every="
+                f"{type(self).__name__}(fragments={self.fragments}) cannot exceed sync_every="
                 f"{self.sync_every}: each fragment needs its own due step"
-            )
-        if not self.outer_lr > 0:
-            raise ValueError(f"DiLoCo(outer_lr={self.outer_lr!r}) must be positive")
-        if not 0 <= self.outer_momentum < 1:
-            raise ValueError(f"DiLoCo(outer_momentum={self.outer_momentum!r}) must be in [0, 1)")
-        if self.buffers not in BUFFER_MODES:
-            raise ValueError(
-                f"DiLoCo(buffers={self.buffers!r}) must be one of "
-                + ", ".join(repr(mode) for mode in BUFFER_MODES)
             )
         _check_compression(type(self).__name__, self.compression)
 
@@ -257,7 +247,7 @@ class DiLoCo:
         closer: str | None = None,
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """New global parameters and momentum from ``(learner, samples, local)`` triples,
-        whole tensors at a time (:func:`gradientmail.algorithms.base.combine`: the
+        whole tensors at a time (:func:`gradientmail.testing.reference.combine`: the
         weighted sums, then :meth:`finish`); the closer computes the same bits streaming.
 
         ``buffer_names``: the names in ``base`` that are floating-point buffers (the layout's
@@ -277,6 +267,8 @@ class DiLoCo:
         """
         if out is not None:
             _check_out(base, momentum, [local for _, _, local in contributions], out)
+        from gradientmail.testing.reference import combine  # the whole-tensor reference
+
         return combine(
             self,
             base,

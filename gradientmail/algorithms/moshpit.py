@@ -43,6 +43,7 @@ from typing import Any, Self
 import torch
 
 from gradientmail.algorithms.base import register
+from gradientmail.settings import MAX_GRID_DIMS, MAX_GROUP_SIZE, algorithm_info, check
 from gradientmail.wire import TensorSpec
 
 __all__ = [
@@ -56,8 +57,6 @@ __all__ = [
     "next_index",
 ]
 
-MAX_GROUP_SIZE = 1000  # coordinates are written with three digits in group keys
-MAX_GRID_DIMS = 8
 _ACTIVE = "x"  # the active dimension's place in a group key
 
 
@@ -130,16 +129,7 @@ class Moshpit:
     grid_dims: int = 2
 
     def __post_init__(self) -> None:
-        if type(self.sync_every) is not int or self.sync_every < 1:
-            raise ValueError(f"Moshpit(sync_every={self.sync_every!r}) must be an int >= 1")
-        if type(self.group_size) is not int or not 2 <= self.group_size <= MAX_GROUP_SIZE:
-            raise ValueError(
-                f"Moshpit(group_size={self.group_size!r}) must be an int in 2..{MAX_GROUP_SIZE}"
-            )
-        if type(self.grid_dims) is not int or not 1 <= self.grid_dims <= MAX_GRID_DIMS:
-            raise ValueError(
-                f"Moshpit(grid_dims={self.grid_dims!r}) must be an int in 1..{MAX_GRID_DIMS}"
-            )
+        check(type(self).__name__, algorithm_info(self.name).fields, self)
 
     @property
     def name(self) -> str:
@@ -165,7 +155,7 @@ class Moshpit:
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any]) -> Self:
         values = {k: v for k, v in settings.items() if k != "name"}
-        unknown = sorted(set(values) - {"sync_every", "group_size", "grid_dims"})
+        unknown = sorted(set(values) - set(algorithm_info("moshpit").names))
         if unknown:
             raise ValueError(f"Moshpit settings {unknown} are unknown to this release")
         return cls(**values)

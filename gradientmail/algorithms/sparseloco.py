@@ -26,6 +26,7 @@ import torch
 from gradientmail.algorithms.base import register
 from gradientmail.algorithms.compression import Compression, TopK
 from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.settings import algorithm_info
 from gradientmail.wire import TensorSpec
 
 __all__ = ["SparseLoCo"]
@@ -50,21 +51,16 @@ class SparseLoCo(DiLoCo):
     from the newest stored commit and the rounds' contributions (``engine/chain.py``)."""
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        super().__post_init__()  # the registry's fields (error_decay, dense_every, ...)
         name = type(self).__name__
-        if self.outer_momentum != 0 or self.nesterov:
+        fixed = algorithm_info(self.name).fixed
+        if any(getattr(self, key) != value for key, value in fixed.items()):
             raise ValueError(
                 f"{name} has no outer momentum (error feedback replaces it): outer_momentum "
                 f"must be 0 and nesterov False, not {self.outer_momentum!r} and {self.nesterov!r}"
             )
         if self.compression is None:
             raise ValueError(f"{name}(compression=None): SparseLoCo needs a compressor")
-        every = self.dense_every
-        if type(every) is not int or every < 1:
-            raise ValueError(f"{name}(dense_every={every!r}) must be an int >= 1 (rounds)")
-        decay = self.error_decay
-        if isinstance(decay, bool) or not isinstance(decay, int | float) or not 0 < decay <= 1:
-            raise ValueError(f"{name}(error_decay={decay!r}) must be a number in (0, 1]")
 
     @property
     def name(self) -> str:

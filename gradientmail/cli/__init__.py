@@ -5,7 +5,8 @@ Subcommands, one file each:
 - ``run`` (``run.py``): a GradientMailRun as local node processes, with the environment the
   operator injects, a live table, clean Ctrl-C; ``spec.py`` reads and validates the file,
   ``_nodes.py`` starts, reads, restarts and stops the processes and watches the mailbox,
-  ``_report.py`` shows the built-in language model's loss curves.
+  ``_report.py`` prints its progress and closing lines (the built-in language model's
+  curves are the demo's, ``gradientmail/demo/report.py``).
 - ``status`` (``table.py``): the same table for any run, read from its mailbox;
   ``_groups_table.py`` renders a Moshpit run's group rounds in it.
 - ``align`` and ``verify`` (``tools.py``): the newest parameters into one safetensors

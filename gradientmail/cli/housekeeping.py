@@ -42,10 +42,18 @@ from gradientmail.cli._common import (
     run_async,
     store_error,
 )
-from gradientmail.coord.sweep import named_payloads
+from gradientmail.coord.sweep import (
+    group_horizon,
+    is_old,
+    kept_rounds,
+    named_payloads,
+    newest_per_fragment,
+)
 from gradientmail.errors import MailboxError, ProtocolError
+from gradientmail.inspect import is_moshpit
 from gradientmail.mailbox import Mailbox
 from gradientmail.mailbox.s3 import S3Mailbox
+from gradientmail.settings import dense_every
 from gradientmail.wire.parts import blob_keys as payload_blobs
 
 __all__ = ["SweepPlan", "add_parsers", "plan_sweep", "run_rm", "run_sweep"]
@@ -147,9 +155,7 @@ async def plan_sweep(box: Mailbox, url: str, keep_rounds: int, orphans: bool) ->
     fragments = manifest.num_fragments
     # Commits whose parameters are not stored (dense_every=K) are computed from the newest
     # stored one and the rounds since: those rounds stay, as the closers keep them.
-    every = manifest.algorithm.get("dense_every", 1)
-    if isinstance(every, int) and every > 1:
-        keep_rounds = max(keep_rounds, every + 1)
+    keep_rounds = kept_rounds(keep_rounds, dense_every(manifest.algorithm))
     round_keys, snapshot_keys, claim_keys, beat_keys, blob_keys, resume_keys = await asyncio.gather(
         box.list(p.ROUNDS),
         box.list(p.SNAPSHOTS),
@@ -158,15 +164,11 @@ async def plan_sweep(box: Mailbox, url: str, keep_rounds: int, orphans: bool) ->
         box.list(p.BLOBS),
         box.list(p.RESUME),
     )
-    newest: dict[int, int] = {}
-    for key in round_keys:
-        r = p.parse_round_key(key)
-        newest[r % fragments] = max(r, newest.get(r % fragments, -1))
-    groups = await _group_keys(box) if manifest.algorithm.get("name") == "moshpit" else None
+    newest = newest_per_fragment(round_keys, fragments)
+    groups = await _group_keys(box) if is_moshpit(manifest) else None
 
     def old(r: int) -> bool:
-        f = r % fragments
-        return f in newest and r <= newest[f] - keep_rounds * fragments
+        return is_old(r, newest, fragments, keep_rounds)
 
     snapshots: dict[str, bool] = {}  # key -> doomed
     for key in snapshot_keys:
@@ -272,7 +274,9 @@ class _GroupKeys:
         """Whether ``key`` is of a group round older than the newest ``keep_rounds`` with
         commits (rounds newer than the newest commit, under way, are never doomed)."""
         t = p.group_round_of(key)
-        return t is not None and self.newest is not None and t <= self.newest - keep_rounds
+        if t is None or self.newest is None:
+            return False
+        return t <= group_horizon(self.newest, keep_rounds)
 
 
 async def _group_keys(box: Mailbox) -> _GroupKeys:

@@ -15,7 +15,7 @@ command after ``--``).
 With the built-in node's language model (its default task), the table also shows the
 aligned model's validation loss, evaluated here, and a run that succeeds ends with its
 curve beside node 0's, ``curves.json`` and ``loss.png`` in the run folder, and a few lines
-the aligned model writes (:mod:`gradientmail.cli._report`). ``GRADIENTMAIL_TASK`` and
+the aligned model writes (:mod:`gradientmail.demo.report`). ``GRADIENTMAIL_TASK`` and
 ``GRADIENTMAIL_LM``, the built-in node's own settings, pass from this process's
 environment to the nodes; the contract's variables never do.
 
@@ -61,6 +61,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.markup import escape
 
+from gradientmail import settings
 from gradientmail import wire as p
 from gradientmail.cli._common import (
     USAGE,
@@ -72,15 +73,24 @@ from gradientmail.cli._common import (
     store_error,
 )
 from gradientmail.cli._nodes import Interrupted, Node, Runner, Watch
-from gradientmail.cli._report import AlignedEval, Curve, finish, status_line, summary
+from gradientmail.cli._report import status_line, summary
 from gradientmail.cli.spec import LOCAL_DEFAULTS, LoadedSpec, load_spec
 from gradientmail.cli.table import render_run
 from gradientmail.coord.leases import DEFAULT_LEASE_TIMEOUT, beating
+from gradientmail.demo.node import NODE_SETTINGS, LmSettings, task_of
+from gradientmail.demo.report import AlignedEval, Curve, finish
 from gradientmail.errors import MailboxError, ProtocolError
 from gradientmail.launch.env import ALGORITHMS, NodeEnv
-from gradientmail.launch.runspec import DEFAULT_COMMAND, learner_id, mailbox_url, node_env
+from gradientmail.launch.runspec import (
+    DEFAULT_COMMAND,
+    SETTING_FIELDS,
+    AlgorithmSpec,
+    learner_id,
+    mailbox_url,
+    node_env,
+)
 from gradientmail.mailbox import Mailbox
-from gradientmail.node import NODE_SETTINGS, LmSettings, task_of
+from gradientmail.settings import camel
 
 __all__ = ["add_parser", "run_command"]
 
@@ -97,7 +107,7 @@ def add_parser(sub: Any) -> None:
         description="Run a GradientMailRun (the operator's file, or flags) as local node "
         "processes that meet only in a mailbox, with the environment the operator injects. "
         "Put a command of your own after `--` (default: the spec's, i.e. the built-in node "
-        "`python -m gradientmail.node`; `python` means this interpreter).",
+        "`python -m gradientmail.demo.node`; `python` means this interpreter).",
         usage="gradientmail run [-f RUN.yaml] [--nodes N] [--mailbox URL] [options] "
         "[-- COMMAND ...]",
     )
@@ -120,31 +130,45 @@ def add_parser(sub: Any) -> None:
         "spec fields (override the file; without one the defaults below apply)"
     )
     group.add_argument("--nodes", type=int, help=f"spec.nodes ({LOCAL_DEFAULTS['nodes']})")
-    group.add_argument("--steps", type=int, help=f"spec.algorithm.steps ({defaults['steps']})")
-    group.add_argument(
-        "--sync-every", type=int, help=f"spec.algorithm.syncEvery ({defaults['syncEvery']})"
-    )
-    group.add_argument(
-        "--fragments",
-        type=int,
-        help=f"spec.algorithm.fragments ({defaults['fragments']}; DiLoCo)",
-    )
-    group.add_argument("--quorum", type=int, help="spec.algorithm.quorum (1; DiLoCo)")
     group.add_argument(
         "--algorithm",
         choices=ALGORITHMS,
-        help="spec.algorithm.name (diloco); moshpit: groups on a grid, no fragments",
+        help="spec.algorithm.name (diloco): "
+        + "; ".join(f"{i.name}: {i.description}" for i in settings.ALGORITHMS.values()),
+    )
+    # One flag per setting of the registry (gradientmail.settings), typed and described by it.
+    for field in SETTING_FIELDS:
+        setting = _flag_setting(field)
+        default = defaults.get(camel(field), AlgorithmSpec.model_fields[field].default)
+        owners = settings.owners(field)
+        only = (
+            ""
+            if len(owners) == len(settings.ALGORITHMS)
+            else "; " + "/".join(settings.ALGORITHMS[o].title for o in owners)
+        )
+        shown = "the algorithm's" if default is None and not setting.nullable else default
+        group.add_argument(
+            "--" + field.replace("_", "-"),
+            type=_parser(setting),
+            metavar=field.upper(),
+            help=f"spec.algorithm.{camel(field)} ({shown}{only}): {setting.description}",
+        )
+    group.add_argument(
+        "--compression",
+        metavar="NAME[:K=V,...]",
+        help="spec.algorithm.compression (DiLoCo/SparseLoCo): "
+        + ", ".join(
+            f"{c.name}:" + ",".join(f"{f.name}={f.default}" for f in c.fields)
+            for c in settings.COMPRESSORS.values()
+        )
+        + ", or none",
     )
     group.add_argument(
-        "--group-size", type=int, help="spec.algorithm.groupSize (4; Moshpit: the grid's side)"
-    )
-    group.add_argument(
-        "--grid-dims", type=int, help="spec.algorithm.gridDims (2; Moshpit: the grid's dimensions)"
-    )
-    group.add_argument(
-        "--round-timeout",
-        type=float,
-        help=f"spec.algorithm.roundTimeout, seconds ({defaults['roundTimeout']:g})",
+        "--lm",
+        metavar="K=V,...",
+        help="spec.algorithm.lm: the built-in node's model sizes ("
+        + ", ".join(settings.LM_SIZES)
+        + ")",
     )
     group.add_argument("--max-restarts", type=int, help="spec.maxRestarts (3)")
     run.add_argument("--workdir", type=Path, help="run folder (default: a fresh one in $TMPDIR)")
@@ -160,6 +184,28 @@ def add_parser(sub: Any) -> None:
     run.add_argument(
         "--poll-interval", type=float, default=0.5, help="seconds between mailbox polls (0.5)"
     )
+
+
+def _flag_setting(field: str) -> settings.Setting:
+    if field in settings.SESSION:
+        return settings.SESSION[field][0]
+    if field in settings.NODE:
+        return settings.NODE[field]
+    owner = settings.ALGORITHMS[settings.owners(field)[0]]
+    return owner.field(field)
+
+
+def _parser(setting: settings.Setting) -> Any:
+    """An argparse ``type=``: the registry's parse (argparse names the flag on an error)."""
+
+    def parse(text: str) -> Any:
+        try:
+            return setting.parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse.__name__ = setting.kind
+    return parse
 
 
 def _fresh_workdir(name: str) -> Path:
@@ -256,8 +302,8 @@ def _check_manifest(
     # What NodeEnv.session gives every node (torch is imported only when there is a run to match).
     algorithm = env.build_algorithm()
     if _builtin(command):
+        from gradientmail.demo.node import builtin_model
         from gradientmail.engine.layout import ModelLayout
-        from gradientmail.node import builtin_model
 
         mine = ModelLayout(builtin_model(base), algorithm).manifest(env.learner_id, algorithm)
     else:
@@ -407,17 +453,12 @@ def run_command(args: argparse.Namespace) -> int:
         f"# written by: {typed}\n" + yaml.safe_dump(resource, sort_keys=False)
     )
     nodes = [Node(i, env, workdir / "logs" / f"{env.learner_id}.log") for i, env in enumerate(envs)]
-    algo = spec.algorithm
     console.print(f"[bold]run folder[/] {escape(str(workdir))}")
     console.print(f"[bold]mailbox[/]    {escape(url)}")
-    settings = (
-        f"Moshpit, groupSize {algo.group_size}, gridDims {algo.grid_dims}"
-        if algo.name == "moshpit"
-        else f"fragments {algo.fragments}"
-    )
+    # What the nodes run: the settings their NodeEnv builds the algorithm from.
     console.print(
         f"[bold]nodes[/]      {spec.nodes} × {escape(' '.join(command))}  "
-        f"(steps {algo.steps}, syncEvery {algo.sync_every}, {settings}, "
+        f"(steps {spec.algorithm.steps}, {escape(spec.algorithm.describe())}, "
         f"maxRestarts {spec.max_restarts})"
     )
     if creator is not None:

@@ -17,16 +17,17 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from gradientmail import settings
 from gradientmail.cli._common import USAGE, CliError
 from gradientmail.launch.runspec import (
-    DILOCO_ONLY,
     GROUP,
     KIND,
-    MOSHPIT_ONLY,
+    SETTING_FIELDS,
     VERSION,
     AlgorithmSpec,
     GradientMailRunSpec,
 )
+from gradientmail.settings import camel, compression_from_text
 
 __all__ = ["FLAG_FIELDS", "LOCAL_DEFAULTS", "LoadedSpec", "load_spec"]
 
@@ -35,21 +36,13 @@ LOCAL_DEFAULTS: dict[str, Any] = {
     "nodes": 3,
     "algorithm": {"syncEvery": 25, "fragments": 2, "steps": 800, "roundTimeout": 5.0},
 }
-# Local defaults that are DiLoCo's settings alone: left out when the flags pick Moshpit
-# (``gradientmail run --algorithm moshpit`` is Moshpit with the other defaults above).
-_DILOCO_DEFAULTS = ("fragments",)
 
-# argparse dest -> the spec field it sets (camelCase path, as in the file).
+# argparse dest -> the spec field it sets (camelCase path, as in the file): every setting
+# of the algorithm section (the registry's), the algorithm and compressor, the run's own.
 FLAG_FIELDS: dict[str, tuple[str, ...]] = {
     "nodes": ("nodes",),
-    "steps": ("algorithm", "steps"),
-    "sync_every": ("algorithm", "syncEvery"),
-    "fragments": ("algorithm", "fragments"),
-    "quorum": ("algorithm", "quorum"),
-    "round_timeout": ("algorithm", "roundTimeout"),
     "algorithm": ("algorithm", "name"),
-    "group_size": ("algorithm", "groupSize"),
-    "grid_dims": ("algorithm", "gridDims"),
+    **{field: ("algorithm", camel(field)) for field in (*SETTING_FIELDS, "compression", "lm")},
     "max_restarts": ("maxRestarts",),
 }
 
@@ -212,14 +205,24 @@ def load_spec(
     flags: dict[tuple[str, ...], str] = {}
     for dest, value in overrides.items():
         if value is not None and dest in FLAG_FIELDS:
+            option = "--" + dest.replace("_", "-")
+            if dest == "compression":
+                try:
+                    value = compression_from_text(value)
+                except ValueError as exc:
+                    raise CliError(f"{option}: {exc}", USAGE) from None
             if isinstance(raw.get("algorithm"), dict):
                 raw["algorithm"] = dict(raw["algorithm"])
             _set(raw, FLAG_FIELDS[dest], value)
-            flags[FLAG_FIELDS[dest]] = "--" + dest.replace("_", "-")
+            flags[FLAG_FIELDS[dest]] = option
     algorithm = raw.get("algorithm")
-    if path is None and isinstance(algorithm, dict) and algorithm.get("name") == "moshpit":
-        for key in _DILOCO_DEFAULTS:
-            if ("algorithm", key) not in flags:
+    if path is None and isinstance(algorithm, dict):
+        # The local defaults that the chosen algorithm does not have (fragments under
+        # Moshpit) are left out: `--algorithm moshpit` is Moshpit with the others.
+        chosen = str(algorithm.get("name", "diloco"))
+        for key in [k for k in LOCAL_DEFAULTS["algorithm"] if ("algorithm", k) not in flags]:
+            setting = next((f for f in SETTING_FIELDS if camel(f) == key), None)
+            if setting is not None and not settings.applies(setting, chosen):
                 algorithm.pop(key, None)
     try:
         spec = GradientMailRunSpec.model_validate(raw)
@@ -239,11 +242,11 @@ def load_spec(
             lines.append(f"{place}: {_path_text(('spec', *loc))}: {_message(error)}")
         raise CliError("invalid run spec:\n  " + "\n  ".join(lines), USAGE) from None
     dumped = spec.model_dump(by_alias=True, exclude_none=True, mode="json")
-    # The other algorithm's settings (at their defaults: anything else was refused) would
-    # only be noise in run.yaml.
-    other = MOSHPIT_ONLY if spec.algorithm.name == "diloco" else DILOCO_ONLY
-    for field in other:
-        dumped["algorithm"].pop(AlgorithmSpec.model_fields[field].alias or field, None)
+    # The settings the algorithm does not have (at their defaults: anything else was
+    # refused) would only be noise in run.yaml.
+    for setting in (*SETTING_FIELDS, "compression", "lm"):
+        if not settings.applies(setting, spec.algorithm.name):
+            dumped["algorithm"].pop(AlgorithmSpec.model_fields[setting].alias or setting, None)
     resource = {
         "apiVersion": f"{GROUP}/{VERSION}",
         "kind": KIND,

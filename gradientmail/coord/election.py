@@ -13,13 +13,14 @@ The next attempt may be claimed once the newest is no longer honoured, judged by
   ``claim_timeout``): after the deadline, so a live holder that keeps failing is replaced.
 
 A duplicate holder is harmless by construction: what a role writes is create-once too, so
-one write wins and the other adopts it.
+one write wins and the other adopts it. ``coord/claims.py`` is the loop that applies this
+rule to a series of claims.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable
 from functools import partial
 
 from gradientmail import wire as p
@@ -27,7 +28,7 @@ from gradientmail.coord.retry import retrying
 from gradientmail.errors import ProtocolError
 from gradientmail.mailbox import Mailbox
 
-__all__ = ["NOBODY", "abandoned", "claim", "read_holder"]
+__all__ = ["NOBODY", "abandoned", "claim", "claim_holder"]
 
 _log = logging.getLogger("gradientmail")
 
@@ -65,20 +66,15 @@ async def claim(
     return await holder_of(key) == me
 
 
-async def read_holder(
-    box: Mailbox, key: str, holders: MutableMapping[int, str], attempt: int
-) -> str:
-    """Who holds claim ``key`` (attempt ``attempt``); claims are created once, so each is
-    read at most once (``holders`` remembers). A claim that cannot be decoded is held by
-    :data:`NOBODY` and fails over like a dead holder's; one listed but not readable yet is
-    :data:`NOBODY` for now and read again next time."""
-    if attempt not in holders:
-        data = await retrying(partial(box.get, key))
-        if data is None:
-            return NOBODY
-        try:
-            holders[attempt] = p.decode_claim(key, data).learner
-        except ProtocolError as exc:
-            _log.warning("%s: an unreadable claim counts as a dead claimant's (%s)", key, exc)
-            holders[attempt] = NOBODY
-    return holders[attempt]
+async def claim_holder(box: Mailbox, key: str) -> str | None:
+    """Who claim ``key`` (a :class:`~gradientmail.wire.Claim`) names: None while it cannot
+    be read (listed, or reported taken, but not readable yet: read it again next time);
+    :data:`NOBODY` when it cannot be decoded, which fails over like a dead holder's."""
+    data = await retrying(partial(box.get, key))
+    if data is None:
+        return None
+    try:
+        return p.decode_claim(key, data).learner
+    except ProtocolError as exc:
+        _log.warning("%s: an unreadable claim counts as a dead claimant's (%s)", key, exc)
+        return NOBODY

@@ -1,4 +1,7 @@
-"""Sweeping a run's old rounds: idempotent, done by whoever commits.
+"""Sweeping a run's old rounds: idempotent, done by whoever commits. The one home of which
+rounds are newest (:func:`newest_per_fragment`) and which are old (:func:`kept_rounds`,
+:func:`horizon`, :func:`group_horizon`): the closers, ``gradientmail sweep``, ``align``
+and ``verify`` all ask here.
 
 A commit of round ``r`` makes round ``r − keep_rounds·P`` (``P`` fragments) old: its
 snapshots, claims and payloads go, except payloads a kept commit still names (the same
@@ -29,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Iterable, Mapping
 from functools import partial
 
 from gradientmail import wire as p
@@ -39,11 +43,73 @@ from gradientmail.wire.keys import parse_resume_key, resume_prefix
 from gradientmail.wire.parts import blob_keys
 from gradientmail.wire.resume import decode_resume
 
-__all__ = ["SWEEP_ROUNDS", "named_payloads", "sweep_after", "sweep_resume"]
+__all__ = [
+    "SWEEP_ROUNDS",
+    "group_horizon",
+    "horizon",
+    "is_old",
+    "kept_rounds",
+    "named_payloads",
+    "newest_per_fragment",
+    "round_numbers",
+    "sweep_after",
+    "sweep_resume",
+]
 
 _log = logging.getLogger("gradientmail")
 
 SWEEP_ROUNDS = 8  # rounds one sweep deletes, at most: the horizon's and leftovers before it
+
+
+def round_numbers(keys: Iterable[str]) -> list[int]:
+    """The round numbers of a listing of ``rounds/``, ascending; keys there that are not
+    round keys (a tool's temporary file, a console's folder marker) are left out, with a
+    warning."""
+    found: list[int] = []
+    for key in keys:
+        try:
+            found.append(p.parse_round_key(key))
+        except ProtocolError as exc:
+            _log.warning("ignoring %s: %s", key, exc)
+    return sorted(found)
+
+
+def newest_per_fragment(keys: Iterable[str], fragments: int) -> dict[int, int]:
+    """``{fragment: newest round}`` of a listing of ``rounds/`` (round ``r`` is of fragment
+    ``r % fragments``); a fragment without a commit is absent."""
+    newest: dict[int, int] = {}
+    for r in round_numbers(keys):
+        newest[r % fragments] = max(r, newest.get(r % fragments, -1))
+    return newest
+
+
+def kept_rounds(keep_rounds: int, dense_every: int = 1) -> int:
+    """How many commits of each fragment keep their inputs: ``keep_rounds``, and with
+    ``dense_every`` K > 1 at least K + 1 (a commit whose parameters are not stored is
+    computed from the newest stored one and the rounds since: those rounds stay, for the
+    newest commit and its base)."""
+    return max(keep_rounds, dense_every + 1) if dense_every > 1 else keep_rounds
+
+
+def horizon(newest: int, fragments: int, keep_rounds: int) -> int:
+    """The newest round of ``newest``'s fragment that commit ``newest`` makes old: its
+    snapshots, claims and payloads may go (negative: nothing is old yet). ``keep_rounds``:
+    from :func:`kept_rounds`."""
+    return newest - keep_rounds * fragments
+
+
+def is_old(r: int, newest: Mapping[int, int], fragments: int, keep_rounds: int) -> bool:
+    """Whether round ``r``'s inputs may go, given ``{fragment: newest round}``."""
+    f = r % fragments
+    return f in newest and r <= horizon(newest[f], fragments, keep_rounds)
+
+
+def group_horizon(t: int, keep_rounds: int, behind: int = 0) -> int:
+    """The newest group round (Moshpit) that group round ``t`` makes old, swept whole:
+    ``keep_rounds`` rounds stay, and ``behind`` more whose groups may still be open (the
+    learners' own sweep: ``grid_dims + 1``, since groups close apart; ``gradientmail sweep``
+    counts from the newest round with a commit: 0)."""
+    return t - keep_rounds - behind
 
 
 def named_payloads(commit: p.Commit) -> set[str]:
@@ -66,7 +132,7 @@ async def sweep_after(
     oldest first, :data:`SWEEP_ROUNDS` rounds at most. ``base``: the commit ``commit`` was
     built on, when known (its payloads are spared while it is within the kept rounds).
     Returns the horizon round (negative: nothing was old yet)."""
-    old = commit.round - keep_rounds * fragments
+    old = horizon(commit.round, fragments, keep_rounds)
     if old < 0:
         return old
     claims: dict[int, list[str]] = {}

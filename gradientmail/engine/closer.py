@@ -45,21 +45,21 @@ import torch
 
 from gradientmail import wire as p
 from gradientmail.algorithms.base import Algorithm
-from gradientmail.coord.election import abandoned, claim, read_holder
+from gradientmail.coord.claims import HOLD, NEXT, WAIT, ClaimSeries, Verdict, closer_claims, judged
 from gradientmail.coord.leases import LeaseTracker
 from gradientmail.coord.retry import retrying
-from gradientmail.coord.sweep import sweep_after
+from gradientmail.coord.sweep import kept_rounds, sweep_after
+from gradientmail.engine.adopt import write_or_adopt
 from gradientmail.engine.chain import commit_tensors
 from gradientmail.engine.layout import ModelLayout
-from gradientmail.engine.sums import Member, Unusable, weighted_sums
-from gradientmail.errors import ProtocolError
+from gradientmail.engine.members import Listed, read_members, sum_members
 from gradientmail.events import Committed, Event
 from gradientmail.ledger import GLOBAL, MOMENTUM
 from gradientmail.mailbox import Mailbox
 from gradientmail.payload import get_tensors, payload_key, put_tensors
 from gradientmail.payload.buffers import BufferPool
 from gradientmail.payload.stream import read_into
-from gradientmail.wire.parts import blob_keys
+from gradientmail.settings import dense_every
 
 __all__ = ["GIVE_UP_AFTER", "Outcome", "RoundCloser"]
 
@@ -67,8 +67,6 @@ _log = logging.getLogger("gradientmail")
 
 GIVE_UP_AFTER = 3  # failed closes of one claim attempt before its holder stops retrying it
 _MAX_WATCHES = 1024  # rounds watched at once, at most (a safety net: see _prune)
-_REASON_CHARS = 300  # of an exclusion's reason, kept in the record
-_MAX_ATTEMPT = 10**4 - 1  # claim keys have four digits
 _PARTS_HELD = 4  # parts of the commit's two payloads encoded or being written at once
 
 
@@ -83,16 +81,8 @@ class _Watch:
     """What this learner knows of one round, on its own clock."""
 
     first_seen: float  # when it first looked at the round (round_timeout runs from here)
-    claim_seen: dict[int, float] = field(default_factory=dict)  # attempt -> first seen
-    holders: dict[int, str] = field(default_factory=dict)  # attempt -> claimant (read once)
+    claims: ClaimSeries  # its closer claims: when each was first seen, who holds it
     failures: dict[int, int] = field(default_factory=dict)  # own attempt -> failed closes
-
-
-def _exclusion(key: str, exc: Exception) -> p.Exclusion:
-    reason = f"{type(exc).__name__}: {exc}"
-    if len(reason) > _REASON_CHARS:
-        reason = reason[: _REASON_CHARS - 3] + "..."
-    return p.Exclusion(key.rpartition("/")[2], key, reason)
 
 
 class RoundCloser:
@@ -146,6 +136,10 @@ class RoundCloser:
         self._params_out = BufferPool(GLOBAL) if global_pool is None else global_pool
         self._state_pool = BufferPool(MOMENTUM)
 
+    def _claims(self, r: int) -> ClaimSeries:
+        key_of = partial(p.claim_key, r)
+        return closer_claims(self.box, self.learner, key_of, what=f"round {r}", clock=self.clock)
+
     def forget(self, r: int) -> None:
         """Drop what this closer knows of round ``r``: call it once ``r`` is committed (from
         any thread)."""
@@ -180,7 +174,7 @@ class RoundCloser:
         with self._lock:
             watch = self._watch.get(r)
             if watch is None:
-                watch = self._watch[r] = _Watch(self.clock())
+                watch = self._watch[r] = _Watch(self.clock(), self._claims(r))
         snaps = await retrying(partial(self.box.list, p.snapshots_prefix(r)))
         contributors = {key.rpartition("/")[2] for key in snaps}
         live = self.tracker.live() | {self.learner}
@@ -214,59 +208,23 @@ class RoundCloser:
         that could close it instead)."""
         listed = await retrying(partial(self.box.list, p.claims_prefix(r)))
         claims = [key for key in listed if p.claim_round(key) == r]
-        attempt = 0
-        if claims:
-            newest = claims[-1]
-            attempt = p.parse_claim_attempt(newest)
-            holder = await self._holder(watch, newest, attempt)
-            now = self.clock()
-            held = now - watch.claim_seen.setdefault(attempt, now)
+        newest = p.parse_claim_attempt(claims[-1]) if claims else None
+
+        async def decide(attempt: int, holder: str | None, held: float) -> Verdict:
             if holder == self.learner:
                 if watch.failures.get(attempt, 0) < self.give_up_after:
-                    return attempt  # ours: a previous tick (or a previous life) claimed it
+                    return HOLD  # ours: a previous tick (or a previous life) claimed it
                 # Given up: honoured like anyone's, and longer when others could take over
                 # (they saw the claim about when this learner made it: theirs comes first).
                 patience = self.claim_timeout
                 if others:
                     patience += self.tracker.lease_timeout
-                if held < patience:
-                    return None
-            elif not abandoned(
-                held=held,
-                live=self.tracker.is_live(holder),
-                lease_timeout=self.tracker.lease_timeout,
-                # A live closer that has not committed within the deadline is replaced: it
-                # may be failing over and over, or stuck.
-                deadline=self.claim_timeout,
-            ):
-                return None
-            attempt += 1
-            if attempt > _MAX_ATTEMPT:
-                raise ProtocolError(f"round {r}: every claim attempt up to {_MAX_ATTEMPT} is used")
-            _log.warning(
-                "round %d: claim %d of %s not honoured any longer (%.1f s); claiming %d",
-                r,
-                attempt - 1,
-                holder or "an unreadable claim",
-                held,
-                attempt,
-            )
-        key = p.claim_key(r, attempt)
-        won = await claim(
-            self.box,
-            key,
-            p.encode(p.Claim(self.learner)),
-            self.learner,
-            partial(self._holder, watch, attempt=attempt),
-        )
-        watch.claim_seen.setdefault(attempt, self.clock())
-        if won:
-            watch.holders[attempt] = self.learner
-            return attempt
-        return None
+                return WAIT if held < patience else NEXT
+            # A live closer that has not committed within the deadline is replaced: it may
+            # be failing over and over, or stuck.
+            return judged(self.tracker, holder, held, deadline=self.claim_timeout)
 
-    async def _holder(self, watch: _Watch, key: str, attempt: int) -> str:
-        return await read_holder(self.box, key, watch.holders, attempt)
+        return await watch.claims.take(newest, decide)
 
     async def _base(self, r: int) -> p.Commit:
         base_round = r - self.layout.count
@@ -287,7 +245,7 @@ class RoundCloser:
         p.Commit,
         Mapping[str, torch.Tensor],
         dict[str, torch.Tensor] | None,
-        list[tuple[str, p.Snapshot]],
+        list[Listed],
         list[p.Exclusion],
     ]:
         """What round ``r`` builds on: its base commit and parameters, the momentum
@@ -312,22 +270,7 @@ class RoundCloser:
                 momentum = await retrying(
                     partial(get_tensors, self.box, base.momentum, state_specs, purpose=MOMENTUM)
                 )
-        records = await asyncio.gather(*(retrying(partial(self.box.get, key)) for key in snaps))
-        usable: list[tuple[str, p.Snapshot]] = []
-        excluded: list[p.Exclusion] = []
-        for key, data in zip(snaps, records, strict=True):
-            try:
-                snap = p.decode_snapshot(key, data)
-                if snap.learner != key.rpartition("/")[2]:
-                    raise ProtocolError(f"{key}: the record names learner {snap.learner!r}")
-                if snap.round != r:
-                    raise ProtocolError(f"{key}: the record says round {snap.round}")
-                if snap.base != base.round:
-                    raise ProtocolError(f"{key}: built on round {snap.base}, not {base.round}")
-            except ProtocolError as exc:
-                excluded.append(_exclusion(key, exc))
-                continue
-            usable.append((key, snap))
+        usable, excluded = await read_members(self.box, snaps, r, base.round)
         return base, base_params, momentum, usable, excluded
 
     def _in_place(self, fragment: int) -> bool:
@@ -337,61 +280,6 @@ class RoundCloser:
         return tuple(self.algorithm.state_specs(specs)) == tuple(specs) and all(
             spec.dtype == "torch.float32" for spec in specs
         )
-
-    async def _sums(
-        self,
-        r: int,
-        usable: list[tuple[str, p.Snapshot]],
-        excluded: list[p.Exclusion],
-        own_payload: str,
-        own_snapshot: Mapping[str, torch.Tensor],
-        like: Mapping[str, torch.Tensor],
-    ) -> tuple[dict[str, torch.Tensor], list[p.Contribution]]:
-        """The contributions' weighted sums (the algorithm's weights, learner-id order,
-        float32), streamed: each downloaded snapshot is added part by part into one
-        accumulator, so memory does not grow with the number of contributors.
-
-        A snapshot found unusable part-way (missing, corrupt, not this fragment's shapes)
-        has already been partly added: it is excluded and the sums start again without it
-        (re-reading the others), so a round commits exactly the contributions it lists."""
-        fragment = r % self.layout.count
-        specs = self.layout.specs[fragment]
-        buffers = self.layout.buffer_names(fragment)
-        ordered = sorted(usable, key=lambda item: item[1].learner)
-        for _ in range(len(ordered) + 1):
-            if not ordered:
-                raise ProtocolError(
-                    f"round {r}: no usable snapshot among the {len(usable) + len(excluded)} "
-                    "listed" + "".join(f"; {x.reason}" for x in excluded)
-                )
-            members = [
-                Member(
-                    snap.learner,
-                    snap.samples,
-                    snap.payload,
-                    # Our own: no need to download it.
-                    own_snapshot
-                    if snap.learner == self.learner and snap.payload == own_payload
-                    else None,
-                )
-                for _, snap in ordered
-            ]
-            sums = self._params_out.take(like)
-            try:
-                await weighted_sums(
-                    self.box, self.algorithm, specs, buffers, members, self.learner, sums
-                )
-            except Unusable as failed:
-                bad = ordered[failed.index][0]
-                excluded.append(_exclusion(bad, failed.cause))
-                _log.warning(
-                    "round %d: excluded %s: %s; summing again without it", r, bad, failed.cause
-                )
-                ordered = [item for item in ordered if item[0] != bad]
-                continue
-            listed = [p.Contribution(s.learner, s.samples, s.payload) for _, s in ordered]
-            return sums, listed
-        raise AssertionError("unreachable: every pass excludes one snapshot")
 
     async def _close(
         self,
@@ -429,8 +317,17 @@ class RoundCloser:
             )
             for x in excluded:
                 _log.warning("round %d: excluded %s: %s", r, x.key, x.reason)
-            sums, listed = await self._sums(
-                r, usable, excluded, own_payload, own_snapshot, base_params
+            sums, members = await sum_members(
+                self.box,
+                self.algorithm,
+                self.layout.specs[fragment],
+                self.layout.buffer_names(fragment),
+                usable,
+                excluded,
+                closer=self.learner,
+                own=(own_payload, own_snapshot),
+                out=partial(self._params_out.take, base_params),
+                what=f"round {r}",
             )
         except BaseException:
             if taken is not None:  # not written yet: it still holds what its key names
@@ -468,7 +365,7 @@ class RoundCloser:
         self._momentum.clear()
         if state_out is not None:
             self._momentum[fragment] = (momentum_key, new_momentum)
-        contributors = tuple(sorted(listed, key=lambda c: c.learner))
+        contributors = tuple(p.Contribution(s.learner, s.samples, s.payload) for _, s in members)
         # The fragment's running totals: the base's and this round's; unknown when the
         # base's are (a record from before totals existed): readers then count every record.
         base_totals = base.running_totals(self.layout.count)
@@ -489,25 +386,8 @@ class RoundCloser:
             ),
             stored=store,
         )
-        key = p.round_key(r)
         # Payloads first, then the record that points at them.
-        won = await retrying(partial(self.box.put_if_absent, key, p.encode(commit)))
-        found = commit
-        if not won:
-            data = await retrying(partial(self.box.get, key))
-            if data is None:
-                raise ProtocolError(f"{key}: put_if_absent said it exists, but it reads as missing")
-            found = p.decode_commit(key, data)
-            # Our own record (the response to our write was lost and the retry found it):
-            # the same claim attempt and the same content-addressed payloads. That is a win.
-            won = (
-                found.closer == self.learner
-                and found.attempt == attempt
-                and found.params == params_key
-                and found.momentum == momentum_key
-            )
-            if not won:
-                await self._discard(commit, found, base)
+        found, won = await write_or_adopt(self.box, p.round_key(r), commit, base)
         if won:
             self._records[r] = found
             outcome = Outcome(found, params)
@@ -526,34 +406,13 @@ class RoundCloser:
         self.forget(r)
         return outcome
 
-    async def _discard(self, ours: p.Commit, theirs: p.Commit, base: p.Commit) -> None:
-        """A losing closer deletes the payloads it uploaded that the winning record does not
-        name: nothing else can ever name them (round ``r``'s record is taken, and every
-        later round builds on it). Best effort: a failure leaves them, as before."""
-        named = {theirs.params, theirs.momentum, base.params, base.momentum}
-        named |= {c.payload for c in (*theirs.contributors, *ours.contributors)}
-        mine = {k for k in (ours.params, ours.momentum) if k and k not in named}
-        if not mine:
-            return
-        try:
-            doomed = await retrying(partial(blob_keys, self.box, mine))
-            spared = await retrying(partial(blob_keys, self.box, {k for k in named if k}))
-            await retrying(partial(self.box.delete, sorted(doomed - spared)))
-        except Exception as exc:
-            _log.warning(
-                "round %d: could not delete a losing close's payloads: %r", ours.round, exc
-            )
-
     async def sweep(self, commit: p.Commit) -> None:
         """Delete what no recent commit needs (:func:`gradientmail.coord.sweep.sweep_after`),
         then forget the records of the rounds swept."""
         base = self._records.get(commit.round - self.layout.count)
         # Unstored commits are computed from the newest stored one before them and the
         # rounds' contributions: keep every round back to it, for this commit and its base.
-        keep = self.keep_rounds
-        every = _dense_every(self.algorithm)
-        if every > 1:
-            keep = max(keep, every + 1)
+        keep = kept_rounds(self.keep_rounds, _dense_every(self.algorithm))
         old = await sweep_after(self.box, commit, self.layout.count, keep, base)
         for r in [r for r in self._records if r <= old]:
             del self._records[r]
@@ -561,8 +420,7 @@ class RoundCloser:
 
 def _dense_every(algorithm: Algorithm) -> int:
     """Every how many rounds of a fragment its parameters are stored (1: every round)."""
-    every = getattr(algorithm, "dense_every", 1)
-    return every if isinstance(every, int) and every >= 1 else 1
+    return dense_every(algorithm.settings())  # a capability the registry declares
 
 
 def _finish(

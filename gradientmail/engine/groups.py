@@ -13,8 +13,8 @@ small groups that close independently (keys in ``wire/keys.py``):
   live slot holders whose cell lies on the group's line: with dense slots that is the whole
   group), or ``round_timeout`` after it published, with whoever came (the paper's variable
   group sizes). It claims ``group-claims/{t}/{group}/{attempt}`` with the run's
-  claim-with-failover rule (``coord/election.py``); the winner sums the members' payloads
-  (``engine/sums.py``, sample-weighted, learner-id order), uploads the average and writes
+  claim-with-failover loop (``coord/claims.py``); the winner sums the members' payloads
+  (``engine/members.py``, sample-weighted, learner-id order), uploads the average and writes
   ``group-rounds/{t}/{group}``, a :class:`~gradientmail.wire.Commit` with ``group`` set. A
   member that finds the record applies it; a learner that is not in it (it came late)
   keeps its own parameters and moves on to the newest round under way. A group of one
@@ -36,41 +36,39 @@ behind catches up instead of arriving late for ever).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 
 from gradientmail import wire as p
 from gradientmail.algorithms.moshpit import Moshpit, group_key, initial_index, next_index
-from gradientmail.coord.election import abandoned, claim, read_holder
+from gradientmail.coord.claims import HOLD, ClaimSeries, Verdict, closer_claims, judged
+from gradientmail.coord.election import claim
 from gradientmail.coord.leases import LeaseTracker
 from gradientmail.coord.retry import retrying
+from gradientmail.coord.sweep import group_horizon
+from gradientmail.engine.adopt import write_or_adopt
 from gradientmail.engine.layout import ModelLayout
-from gradientmail.engine.sums import Member, Unusable, weighted_sums
+from gradientmail.engine.members import Listed, read_members, sum_members
 from gradientmail.errors import ProtocolError
 from gradientmail.mailbox import Mailbox
-from gradientmail.payload import get_tensors, put_tensors
+from gradientmail.payload import put_tensors
 from gradientmail.wire.parts import blob_keys
 
 __all__ = [
     "GroupLost",
     "GroupOutcome",
     "GroupRounds",
-    "aligned",
     "average_of",
-    "describe_alignment",
-    "newest_group_round",
 ]
 
 _log = logging.getLogger("gradientmail")
 
-_MAX_ATTEMPT = 10**4 - 1
 _SLOT_TRIES = 64  # slots tried in one pass of a join (others may be claiming the same)
 _MAX_WATCHES = 256
 _SWEEP_ROUNDS = 8  # group rounds one sweep deletes, at most (the newest old one, leftovers)
@@ -94,11 +92,10 @@ class GroupOutcome:
     member: bool
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Watch:
     first_seen: float
-    claim_seen: dict[int, float] = field(default_factory=dict)
-    holders: dict[int, str] = field(default_factory=dict)
+    claims: ClaimSeries  # the group's closer claims, as this learner watched them
 
 
 class GroupRounds:
@@ -224,7 +221,14 @@ class GroupRounds:
         key = p.group_round_key(t, group)
         watch = self._watch.get((t, group))
         if watch is None:
-            watch = self._watch[(t, group)] = _Watch(self.clock())
+            claims = closer_claims(
+                self.box,
+                self.learner,
+                partial(p.group_claim_key, t, group),
+                what=f"group {group} of round {t}",
+                clock=self.clock,
+            )
+            watch = self._watch[(t, group)] = _Watch(self.clock(), claims)
             while len(self._watch) > _MAX_WATCHES:
                 del self._watch[min(self._watch)]
         found = await self._record(key, own)
@@ -285,50 +289,14 @@ class GroupRounds:
 
     async def _claim(self, t: int, group: str, watch: _Watch) -> int | None:
         listed = await retrying(partial(self.box.list, p.group_claims_prefix(t, group)))
-        attempt = 0
-        if listed:
-            newest = listed[-1]
-            attempt = p.parse_claim_attempt(newest)
-            holder = await self._holder(watch, newest, attempt)
-            now = self.clock()
-            held = now - watch.claim_seen.setdefault(attempt, now)
-            if holder == self.learner:
-                return attempt
-            if not abandoned(
-                held=held,
-                live=self.tracker.is_live(holder),
-                lease_timeout=self.tracker.lease_timeout,
-                deadline=self.claim_timeout,
-            ):
-                return None
-            attempt += 1
-            if attempt > _MAX_ATTEMPT:
-                raise ProtocolError(f"group {group} of round {t}: every claim attempt is used")
-            _log.warning(
-                "group %s of round %d: claim %d of %s not honoured any longer (%.1f s); "
-                "claiming %d",
-                group,
-                t,
-                attempt - 1,
-                holder or "an unreadable claim",
-                held,
-                attempt,
-            )
-        won = await claim(
-            self.box,
-            p.group_claim_key(t, group, attempt),
-            p.encode(p.Claim(self.learner)),
-            self.learner,
-            partial(self._holder, watch, attempt=attempt),
-        )
-        watch.claim_seen.setdefault(attempt, self.clock())
-        if won:
-            watch.holders[attempt] = self.learner
-            return attempt
-        return None
+        newest = p.parse_claim_attempt(listed[-1]) if listed else None
 
-    async def _holder(self, watch: _Watch, key: str, attempt: int) -> str:
-        return await read_holder(self.box, key, watch.holders, attempt)
+        async def decide(attempt: int, holder: str | None, held: float) -> Verdict:
+            if holder == self.learner:
+                return HOLD
+            return judged(self.tracker, holder, held, deadline=self.claim_timeout)
+
+        return await watch.claims.take(newest, decide)
 
     async def _close(
         self,
@@ -339,11 +307,17 @@ class GroupRounds:
         own_payload: str,
         own: Mapping[str, torch.Tensor],
     ) -> GroupOutcome:
-        usable, excluded = await read_members(self.box, t, group, snaps)
-        params, listed, more = await average_of(
-            self.box, self.algorithm, self.layout, usable, self.learner, own_payload, own
+        usable, excluded = await read_members(self.box, snaps, t)
+        params, listed = await _average(
+            self.box,
+            self.algorithm,
+            self.layout,
+            usable,
+            excluded,
+            self.learner,
+            (own_payload, own),
+            f"group {group} of round {t}",
         )
-        excluded += more
         mine: dict[str, torch.Tensor] | None = params
         if len(listed) == 1 and listed[0].learner == self.learner:
             key = own_payload  # alone: its own payload is the average (recomputes to it)
@@ -362,18 +336,11 @@ class GroupRounds:
             excluded=tuple(excluded),
             group=group,
         )
-        record = p.group_round_key(t, group)
-        if not await retrying(partial(self.box.put_if_absent, record, p.encode(commit))):
-            existing = p.decode_commit(record, await retrying(partial(self.box.get, record)))
-            if existing != commit:
-                # Another closer committed first: adopt its record, drop our upload.
-                if key != own_payload and key not in {c.payload for c in existing.contributors}:
-                    with contextlib.suppress(Exception):
-                        if key != existing.params:
-                            await self.box.delete([key])
-                return self._outcome(existing, None)
+        found, won = await write_or_adopt(self.box, p.group_round_key(t, group), commit)
+        if not won:  # another closer committed first: adopt its record
+            return self._outcome(found, None)
         self._watch.pop((t, group), None)
-        return self._outcome(commit, mine)
+        return self._outcome(found, mine)
 
     # -- sweeping ----------------------------------------------------------------------------
 
@@ -393,7 +360,7 @@ class GroupRounds:
         a = self.algorithm
         if group != group_key((0,) * a.grid_dims, t):
             return []
-        old = t - self.keep_rounds - a.grid_dims - 1
+        old = group_horizon(t, self.keep_rounds, behind=a.grid_dims + 1)
         if old < 1:
             return []
         claimed = await retrying(partial(self.box.list, p.GROUP_CLAIMS))
@@ -449,141 +416,63 @@ def _named(commit: p.Commit) -> set[str]:
     return {commit.params, *(c.payload for c in commit.contributors)}
 
 
-async def read_members(
-    box: Mailbox, t: int, group: str, snaps: Sequence[str]
-) -> tuple[list[p.Snapshot], list[p.Exclusion]]:
-    """The group's snapshot records that name a usable contribution, and those excluded."""
-    records = await asyncio.gather(*(retrying(partial(box.get, key)) for key in snaps))
-    usable: list[p.Snapshot] = []
-    excluded: list[p.Exclusion] = []
-    for key, data in zip(snaps, records, strict=True):
-        try:
-            snap = p.decode_snapshot(key, data)
-            if snap.learner != key.rpartition("/")[2]:
-                raise ProtocolError(f"{key}: the record names learner {snap.learner!r}")
-            if snap.round != t:
-                raise ProtocolError(f"{key}: the record says round {snap.round}")
-        except ProtocolError as exc:
-            excluded.append(p.Exclusion(key.rpartition("/")[2], key, f"{exc}"[:300]))
-            continue
-        usable.append(snap)
-    return usable, excluded
-
-
 async def average_of(
     box: Mailbox,
     algorithm: Moshpit,
     layout: ModelLayout,
     members: Sequence[p.Snapshot],
     closer: str | None,
-    own_payload: str | None = None,
-    own: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[p.Contribution], list[p.Exclusion]]:
     """The members' sample-weighted average (learner-id order, float32 sums, then the
     parameters' dtypes), the contributions it holds and the members excluded because their
-    payload failed (the average is taken again without them)."""
+    payload failed (each listed under its payload key; the average is taken again without
+    them)."""
+    excluded: list[p.Exclusion] = []
+    listed = [(s.payload, s) for s in members]
+    params, contributions = await _average(
+        box, algorithm, layout, listed, excluded, closer, None, "the group"
+    )
+    return params, contributions, excluded
+
+
+async def _average(
+    box: Mailbox,
+    algorithm: Moshpit,
+    layout: ModelLayout,
+    usable: Sequence[Listed],
+    excluded: list[p.Exclusion],
+    closer: str | None,
+    own: tuple[str, Mapping[str, torch.Tensor]] | None,
+    what: str,
+) -> tuple[dict[str, torch.Tensor], list[p.Contribution]]:
+    """:func:`average_of` of members read with their snapshot keys (its exclusions are
+    added to ``excluded``)."""
     specs = layout.specs[0]
     buffers = layout.buffer_names(0)
-    ordered = sorted(members, key=lambda s: s.learner)
-    excluded: list[p.Exclusion] = []
-    like = {
-        spec.name: torch.zeros(spec.shape, dtype=getattr(torch, spec.dtype.split(".")[-1]))
+    sums, ordered = await sum_members(
+        box,
+        algorithm,
+        specs,
+        buffers,
+        usable,
+        excluded,
+        closer=closer,
+        own=own,
+        out=partial(_zeros, specs, torch.float32),
+        what=what,
+    )
+    with torch.no_grad():
+        params, _ = algorithm.finish(_zeros(specs), None, sums, buffer_names=buffers)
+    return params, [p.Contribution(s.learner, s.samples, s.payload, s.grid) for _, s in ordered]
+
+
+def _zeros(
+    specs: Sequence[p.TensorSpec], dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """Zeros shaped as ``specs``, in ``dtype`` (default: each spec's own), contiguous."""
+    return {
+        spec.name: torch.zeros(
+            spec.shape, dtype=dtype or getattr(torch, spec.dtype.split(".")[-1])
+        ).contiguous()
         for spec in specs
     }
-    for _ in range(len(ordered) + 1):
-        if not ordered:
-            raise ProtocolError(
-                "no usable member in the group" + "".join(f"; {x.reason}" for x in excluded)
-            )
-        sums = {
-            spec.name: torch.zeros(spec.shape, dtype=torch.float32).contiguous() for spec in specs
-        }
-        listed = [
-            Member(
-                s.learner,
-                s.samples,
-                s.payload,
-                own if s.learner == closer and s.payload == own_payload else None,
-            )
-            for s in ordered
-        ]
-        try:
-            await weighted_sums(box, algorithm, specs, buffers, listed, closer, sums)
-        except Unusable as failed:
-            bad = ordered[failed.index]
-            excluded.append(p.Exclusion(bad.learner, bad.payload, f"{failed.cause}"[:300]))
-            _log.warning("group member %s excluded: %s", bad.learner, failed.cause)
-            ordered = [s for s in ordered if s is not bad]
-            continue
-        with torch.no_grad():
-            params, _ = algorithm.finish(like, None, sums, buffer_names=buffers)
-        listed_ = [p.Contribution(s.learner, s.samples, s.payload, s.grid) for s in ordered]
-        return params, listed_, excluded
-    raise AssertionError("unreachable: every pass excludes one member")
-
-
-async def newest_group_round(box: Mailbox) -> list[p.Commit]:
-    """The commits of the newest group round that has any (empty when none)."""
-    keys = await retrying(partial(box.list, p.GROUP_ROUNDS))
-    rounds = sorted({t for t in map(p.group_round_of, keys) if t is not None})
-    for t in reversed(rounds[-4:]):
-        commits = []
-        for key in (k for k in keys if p.group_round_of(k) == t):
-            data = await retrying(partial(box.get, key))
-            if data is None:
-                continue
-            with contextlib.suppress(ProtocolError):
-                commits.append(p.decode_commit(key, data))
-        if commits:
-            return commits
-    return []
-
-
-async def download_average(
-    box: Mailbox, algorithm: Moshpit, layout: ModelLayout, commits: Sequence[p.Commit]
-) -> dict[str, torch.Tensor]:
-    """The sample-weighted average of group commits' parameters (``align``'s and a late
-    joiner's model): each commit weighs as the samples of its members."""
-    members = [
-        p.Snapshot(c.round, f"g{i:04d}", max(1, c.samples), c.params, 0)
-        for i, c in enumerate(sorted(commits, key=lambda c: c.group or ""))
-    ]
-    if len(members) == 1:
-        return await retrying(partial(get_tensors, box, members[0].payload, layout.specs[0]))
-    params, _, excluded = await average_of(box, algorithm, layout, members, None)
-    if excluded:
-        raise ProtocolError("a group commit's payload cannot be read: " + excluded[0].reason)
-    return params
-
-
-def describe_alignment(commits: Sequence[p.Commit]) -> str:
-    """What :func:`aligned` loads from ``commits`` (one group round's), in words."""
-    if not commits:
-        return "the initial commit (no group round has committed yet)"
-    t = commits[0].round
-    members = sum(len(c.contributors) for c in commits)
-    if len({c.params for c in commits}) == 1:
-        return (
-            f"group round {t}'s commit, which all its {len(commits)} groups ({members} "
-            "learners) share: the global average"
-        )
-    return (
-        f"the sample-weighted average of group round {t}'s {len(commits)} group commits "
-        f"({members} learners)"
-    )
-
-
-async def aligned(
-    box: Mailbox, algorithm: Moshpit, layout: ModelLayout
-) -> tuple[list[p.Commit], dict[str, torch.Tensor] | None]:
-    """A Moshpit run's aligned model: the newest group round's commits and their
-    sample-weighted average, or their shared parameters when every group of the round
-    committed the same (the grid has averaged everyone: the global average, loaded as it
-    is); ``([], None)`` before the first group round."""
-    commits = await newest_group_round(box)
-    if not commits:
-        return [], None
-    if len({c.params for c in commits}) == 1:
-        params = await retrying(partial(get_tensors, box, commits[0].params, layout.specs[0]))
-        return commits, params
-    return commits, await download_average(box, algorithm, layout, commits)

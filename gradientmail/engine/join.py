@@ -39,52 +39,29 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import TypeVar
 
-import torch
-
 from gradientmail import wire as p
-from gradientmail.algorithms.base import Algorithm, from_manifest
-from gradientmail.coord.election import abandoned
+from gradientmail.algorithms.base import Algorithm
+from gradientmail.coord.claims import HOLD, NEXT, WAIT, ClaimSeries, Verdict, judged
 from gradientmail.coord.leases import DEFAULT_LEASE_TIMEOUT, LeaseTracker
 from gradientmail.coord.retry import retrying
-from gradientmail.engine.chain import commit_tensors
 from gradientmail.engine.layout import ModelLayout
-from gradientmail.errors import PayloadCorrupt, ProtocolError
-from gradientmail.ledger import GLOBAL
+from gradientmail.errors import ProtocolError
 from gradientmail.mailbox import Mailbox
 from gradientmail.payload import get_tensors, put_tensors
 
-__all__ = ["LEASE_TIMEOUT", "establish", "load_newest", "newest_per_fragment"]
+__all__ = ["LEASE_TIMEOUT", "establish"]
 
 T = TypeVar("T")
 
 _log = logging.getLogger("gradientmail")
-_FALLBACK = 8  # older commits of a fragment tried when its newest cannot be loaded
 _POLL = 0.2
 LEASE_TIMEOUT = DEFAULT_LEASE_TIMEOUT
 """How long a creator may show no sign of life before a joiner takes over (Session's default
 ``lease_timeout``)."""
-
-
-async def _wait_for(
-    box: Mailbox,
-    key: str,
-    deadline: float,
-    what: str,
-    *,
-    clock: Callable[[], float] = time.monotonic,
-    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-) -> bytes:
-    while True:
-        data = await retrying(lambda: box.get(key), deadline=deadline, clock=clock, sleep=sleep)
-        if data is not None:
-            return data
-        if clock() > deadline:
-            raise TimeoutError(f"{what}: {key} did not appear in time")
-        await sleep(_POLL)
 
 
 def _is_creator_key(key: str) -> bool:
@@ -115,8 +92,7 @@ class _Joiner:
         self,
         box: Mailbox,
         layout: ModelLayout,
-        algorithm: Algorithm,
-        learner: str,
+        mine: p.Manifest,
         timeout: float,
         lease_timeout: float,
         clock: Callable[[], float],
@@ -125,8 +101,8 @@ class _Joiner:
     ) -> None:
         self.box = box
         self.layout = layout
-        self.learner = learner
-        self.mine = layout.manifest(learner, algorithm)
+        self.learner = learner = mine.creator
+        self.mine = mine  # the manifest this node would write, naming it as the creator
         self.clock = clock
         self.sleep = sleep
         self.poll = poll
@@ -137,7 +113,17 @@ class _Joiner:
         # lease is enough (a joiner waiting on a long upload costs one GET per poll).
         self.look_every = max(poll, lease_timeout / 10)
         self.next_look = float("-inf")
-        self.holders: dict[str, str] = {}  # creator claim key -> learner (read once each)
+        # The creator claims: claims/creator, then claims/creator-NNNN (read once each).
+        self.claims = ClaimSeries(
+            box,
+            learner,
+            p.creator_key,
+            record=p.encode(p.CreatorClaim(learner)),
+            holder_of=self.holder,
+            what="the run's creator",
+            clock=clock,
+            call=self.call,
+        )
         self.present: set[int] = set()  # initial commits known to exist
         self.waiting_for = "the run's manifest"
 
@@ -181,15 +167,13 @@ class _Joiner:
     # -- the creator claim -------------------------------------------------------------------
 
     async def holder(self, key: str) -> str:
-        if key not in self.holders:
-            data = await self.call(partial(self.box.get, key))
-            if data is None:
-                raise ProtocolError(
-                    f"{key}: put_if_absent reported it exists (or list listed it) but it reads "
-                    "as missing; the store is not read-after-write consistent"
-                )
-            self.holders[key] = p.decode_creator(key, data).learner
-        return self.holders[key]
+        data = await self.call(partial(self.box.get, key))
+        if data is None:
+            raise ProtocolError(
+                f"{key}: put_if_absent reported it exists (or list listed it) but it reads "
+                "as missing; the store is not read-after-write consistent"
+            )
+        return p.decode_creator(key, data).learner
 
     def due(self) -> bool:
         """Whether it is time to look at others' progress again (see ``look_every``)."""
@@ -199,16 +183,22 @@ class _Joiner:
         self.next_look = now + self.look_every
         return True
 
-    async def gone(self, learner: str, state: object) -> bool:
-        """Whether ``learner`` showed no sign of life for a whole lease period: ``state`` (what
-        it is expected to change) stood still, and no beat of its own was renewed."""
+    async def gone(self, learner: str, held: float) -> bool:
+        """Whether ``learner`` showed no sign of life for a whole lease period: what it is
+        expected to change stood still for ``held`` seconds, and no beat of its own was
+        renewed."""
         beats = await self.call(partial(self.box.list, p.lease_prefix(learner)))
         self.tracker.observe(beats)
-        return abandoned(
-            held=self.quiet.unchanged_for(state, self.clock()),
-            live=self.tracker.is_live(learner),
-            lease_timeout=self.tracker.lease_timeout,
-        )
+        return judged(self.tracker, learner, held) is NEXT
+
+    async def decide(self, attempt: int, holder: str | None, held: float) -> Verdict:
+        """A creator claim of our own is a previous life's: resume it. Someone else's is
+        waited on until its holder shows no sign of life for a lease period."""
+        if holder == self.learner:
+            return HOLD
+        key = p.creator_key(attempt)
+        self.waiting_for = f"creator {holder} ({key}) to write {p.MANIFEST}"
+        return NEXT if await self.gone(holder or "", held) else WAIT
 
     async def elect(self) -> bool:
         """No manifest yet: claim the creator role if free or abandoned, then write the
@@ -216,31 +206,11 @@ class _Joiner:
         if not self.due():
             return False
         keys = [k for k in await self.call(partial(self.box.list, p.CREATOR)) if _is_creator_key(k)]
-        attempt = 0
-        if keys:
-            newest = keys[-1]  # byte order is attempt order
-            attempt = p.parse_creator_attempt(newest)
-            holder = await self.holder(newest)
-            # A claim of our own is a previous life's: resume it. Someone else's is waited
-            # on until its holder shows no sign of life for a lease period.
-            if holder != self.learner:
-                self.waiting_for = f"creator {holder} ({newest}) to write {p.MANIFEST}"
-                if not await self.gone(holder, ("claim", newest)):
-                    return False
-                attempt += 1
-                key = p.creator_key(attempt)
-                claim = p.encode(p.CreatorClaim(self.learner))
-                if await self.call(partial(self.box.put_if_absent, key, claim)):
-                    self.holders[key] = self.learner
-                # False: another joiner took it first, or a lost response hid our own write.
-                if await self.holder(key) != self.learner:
-                    return False
-        else:
-            claim = p.encode(p.CreatorClaim(self.learner))
-            if await self.call(partial(self.box.put_if_absent, p.CREATOR, claim)):
-                self.holders[p.CREATOR] = self.learner
-            if await self.holder(p.CREATOR) != self.learner:
-                return False
+        newest = p.parse_creator_attempt(keys[-1]) if keys else None  # byte order: attempts'
+        # None: someone else's claim stands, another joiner took the next attempt first, or
+        # a lost response hid our own write (the claim's holder tells).
+        if await self.claims.take(newest, self.decide) is None:
+            return False
         # The frozen parameters' payload (if any; new blobs count as signs of life of a
         # claim), then the manifest that names it.
         mine = self.mine
@@ -273,7 +243,8 @@ class _Joiner:
             if not self.due():
                 return False
             blobs = await self.call(partial(self.box.list, p.BLOBS))
-            if not await self.gone(writer, ("initial", frozenset(self.present), len(blobs))):
+            state = ("initial", frozenset(self.present), len(blobs))
+            if not await self.gone(writer, self.quiet.unchanged_for(state, self.clock())):
                 return False
         for n, fragment in enumerate(missing):
             key = p.round_key(fragment)
@@ -311,79 +282,6 @@ async def establish(
     shows no sign of life for ``lease_timeout`` seconds is replaced (module docstring);
     ``clock``, ``sleep`` and ``poll`` (seconds between looks) are injectable for tests.
     """
-    joiner = _Joiner(box, layout, algorithm, learner, timeout, lease_timeout, clock, sleep, poll)
+    mine = layout.manifest(learner, algorithm)
+    joiner = _Joiner(box, layout, mine, timeout, lease_timeout, clock, sleep, poll)
     return await joiner.run()
-
-
-def round_keys(keys: Sequence[str]) -> list[int]:
-    """The round numbers of a listing of ``rounds/``, ascending; keys there that are not
-    round keys (a tool's temporary file, a console's folder marker) are left out, with a
-    warning."""
-    found: list[int] = []
-    for key in keys:
-        try:
-            found.append(p.parse_round_key(key))
-        except ProtocolError as exc:
-            _log.warning("ignoring %s: %s", key, exc)
-    return sorted(found)
-
-
-def newest_per_fragment(keys: Sequence[str], fragments: int) -> dict[int, int]:
-    newest: dict[int, int] = {}
-    for r in round_keys(keys):
-        newest[r % fragments] = max(r, newest.get(r % fragments, -1))
-    return newest
-
-
-async def load_newest(
-    box: Mailbox,
-    layout: ModelLayout,
-    deadline: float | None = None,
-    *,
-    algorithm: Algorithm | None = None,
-) -> tuple[dict[int, int], dict[int, dict[str, torch.Tensor]]]:
-    """Download the newest readable commit of every fragment (computed along its chain when
-    its parameters are not stored: ``engine/chain.py``); return rounds and verified
-    tensors. A newest record that cannot be read (truncated, malformed) is reported and the
-    one before it is used: one bad object must not keep every joiner (and align) out.
-    ``algorithm``: the run's (default: read from its manifest when a commit's parameters
-    must be computed)."""
-    keys = await retrying(lambda: box.list(p.ROUNDS), deadline=deadline)
-    by_fragment: dict[int, list[int]] = {}
-    for r in sorted(round_keys(keys)):
-        by_fragment.setdefault(r % layout.count, []).append(r)
-    missing = [f for f in range(layout.count) if f not in by_fragment]
-    if missing:
-        raise ProtocolError(f"fragments {missing} have no commit yet; has the run been created?")
-    newest: dict[int, int] = {}
-    tensors: dict[int, dict[str, torch.Tensor]] = {}
-    for fragment, rounds in sorted(by_fragment.items()):
-        failures: list[str] = []
-        for r in reversed(rounds[-_FALLBACK:]):
-            key = p.round_key(r)
-            try:
-                data = await retrying(partial(box.get, key), deadline=deadline)
-                commit = p.decode_commit(key, data)
-                if algorithm is None and not commit.stored:
-                    data = await retrying(partial(box.get, p.MANIFEST), deadline=deadline)
-                    algorithm = from_manifest(p.decode_manifest(p.MANIFEST, data).algorithm)
-                values = await commit_tensors(
-                    box,
-                    algorithm,
-                    layout.specs[fragment],
-                    commit,
-                    purpose=GLOBAL,
-                    deadline=deadline,
-                )
-            except (ProtocolError, PayloadCorrupt) as exc:
-                _log.warning("%s cannot be loaded (%s); trying the commit before it", key, exc)
-                failures.append(f"{key}: {exc}")
-                continue
-            newest[fragment], tensors[fragment] = r, values
-            break
-        else:
-            raise ProtocolError(
-                f"fragment {fragment}: none of its newest {len(failures)} commits can be "
-                "loaded: " + "; ".join(failures)
-            )
-    return newest, tensors

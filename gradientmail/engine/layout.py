@@ -141,6 +141,20 @@ class ModelLayout:
         found += [f"{name} is in this model but not in the run's" for name in extra[:5]]
         if found:
             raise ProtocolError("the model does not match the run: " + "; ".join(found[:10]))
+        return cls._of_manifest(tensors, manifest, transfer)
+
+    @classmethod
+    def from_manifest(cls, manifest: Manifest, *, transfer: Transfer | None = None) -> ModelLayout:
+        """The run's layout over host tensors of its own (zeros, shaped and typed as the
+        manifest says, under its names): a run read without its model's class (``gradientmail
+        align``). Load commits into it (:meth:`load`, :meth:`load_frozen`), read them back
+        with :meth:`copy_out` and :meth:`frozen_tensors`."""
+        return cls._of_manifest(_Tensors.zeros(manifest), manifest, transfer)
+
+    @classmethod
+    def _of_manifest(
+        cls, tensors: _Tensors, manifest: Manifest, transfer: Transfer | None
+    ) -> ModelLayout:
         members = [[spec.name for spec in fragment] for fragment in manifest.fragments]
         layout = cls.__new__(cls)
         layout._setup(tensors, members, [spec.name for spec in manifest.frozen], transfer)
@@ -158,16 +172,24 @@ class ModelLayout:
                 tensors.check(name)
         self.transfer = Transfer() if transfer is None else transfer
         self._owners = {n: tensors.owners[n] for m in members for n in m if n in tensors.owners}
+        # Buffers without a module (a layout from a manifest): held here.
+        self._held = {
+            n: tensors.buffers[n]
+            for m in members
+            for n in m
+            if n in tensors.buffers and n not in tensors.owners
+        }
+        buffers = {*self._owners, *self._held}
         self.params: dict[str, torch.nn.Parameter] = {
-            n: tensors.params[n] for m in members for n in m if n not in self._owners
+            n: tensors.params[n] for m in members for n in m if n not in buffers
         }
         self.frozen: dict[str, torch.nn.Parameter] = {n: tensors.params[n] for n in frozen}
         self.fragments: tuple[tuple[str, ...], ...] = tuple(tuple(m) for m in members)
         self._buffers: tuple[frozenset[str], ...] = tuple(
-            frozenset(n for n in m if n in self._owners) for m in members
+            frozenset(n for n in m if n in buffers) for m in members
         )
         self.specs: tuple[tuple[TensorSpec, ...], ...] = tuple(
-            tuple(self._spec(name, BUFFER if name in self._owners else PARAM) for name in group)
+            tuple(self._spec(name, BUFFER if name in buffers else PARAM) for name in group)
             for group in self.fragments
         )
         self.frozen_specs: tuple[TensorSpec, ...] = tuple(
@@ -186,6 +208,8 @@ class ModelLayout:
             value = getattr(owner[0], owner[1])
             assert isinstance(value, torch.Tensor), name
             return value
+        if name in self._held:
+            return self._held[name]
         if name in self.params:
             return self.params[name]
         return self.frozen[name]
@@ -361,6 +385,22 @@ class _Tensors:
                     self.order.append((BUFFER, name))
                     self.buffers[name] = known
                     self.owners[name] = (module, attr)
+
+    @classmethod
+    def zeros(cls, manifest: Manifest) -> _Tensors:
+        """Host tensors of zeros for every tensor the manifest lists, by name and kind,
+        owned by no module."""
+        tensors = cls.__new__(cls)
+        tensors.params, tensors.buffers, tensors.owners, tensors.order = {}, {}, {}, []
+        for spec in (*(s for fragment in manifest.fragments for s in fragment), *manifest.frozen):
+            value = torch.zeros(spec.shape, dtype=getattr(torch, spec.dtype.removeprefix("torch.")))
+            if spec.kind == BUFFER:
+                tensors.buffers[spec.name] = value
+            else:
+                trainable = spec.kind == PARAM
+                tensors.params[spec.name] = torch.nn.Parameter(value, requires_grad=trainable)
+            tensors.order.append((spec.kind, spec.name))
+        return tensors
 
     def check(self, name: str) -> None:
         """``ValueError`` naming the tensor if it cannot travel: no data, or a dtype no

@@ -5,7 +5,7 @@ Contributions are added in learner-id order, each weighted as ``Algorithm.weight
 into float32 accumulators, one downloaded part at a time: memory holds the accumulators
 and a window of parts, whatever the number of contributors. The additions are
 element-wise, so the bits do not depend on where parts cut the tensors
-(``algorithms.base.combine`` adds whole tensors and gets the same).
+(``testing.reference.combine`` adds whole tensors and gets the same).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from gradientmail import wire as p
 from gradientmail.algorithms.base import from_manifest
 from gradientmail.coord.retry import retrying
 from gradientmail.engine.chain import commit_tensors
-from gradientmail.engine.sums import Member, Unusable, weighted_sums
+from gradientmail.engine.members import check_members, recompute_sums
 from gradientmail.errors import ProtocolError
 from gradientmail.mailbox import Mailbox
 from gradientmail.payload import get_tensors, payload_key, stored_key
@@ -94,13 +94,7 @@ async def verify_commit(box: Mailbox, r: int, manifest: p.Manifest | None = None
         return Verified(r, fragment, (), 0, True)
     if commit.base != r - fragments:
         raise ProtocolError(f"{key}: base {commit.base}, expected {r - fragments}")
-    if not commit.contributors:
-        raise ProtocolError(f"{key}: a training commit without contributors")
-    learners = [c.learner for c in commit.contributors]
-    if len(set(learners)) != len(learners):
-        raise ProtocolError(f"{key}: a learner is listed twice among the contributors")
-    if both := sorted(set(learners) & {x.learner for x in commit.excluded}):
-        raise ProtocolError(f"{key}: {both} are listed as contributors and as excluded")
+    learners = check_members(key, commit, "contributors")
     base_key = p.round_key(commit.base)
     base = p.decode_commit(base_key, await _record(box, base_key))
     _check_totals(key, commit, base, fragments)
@@ -109,18 +103,7 @@ async def verify_commit(box: Mailbox, r: int, manifest: p.Manifest | None = None
     if base.momentum is not None:
         state_specs = algorithm.state_specs(specs)
         momentum = await retrying(partial(get_tensors, box, base.momentum, state_specs))
-    # Buffers (kind "buffer") are averaged or the closer's copy, not outer-stepped.
-    buffers = frozenset(spec.name for spec in specs if spec.kind == p.BUFFER)
-    # Streamed, as the closer does: one accumulator, whatever the number of contributors.
-    members = [
-        Member(c.learner, c.samples, c.payload)
-        for c in sorted(commit.contributors, key=lambda c: c.learner)
-    ]
-    sums = {spec.name: torch.empty(spec.shape, dtype=torch.float32) for spec in specs}
-    try:
-        await weighted_sums(box, algorithm, specs, buffers, members, commit.closer, sums)
-    except Unusable as exc:
-        raise ProtocolError(f"{key}: {exc.cause}") from exc
+    sums, buffers = await recompute_sums(box, algorithm, specs, key, commit)
     with torch.no_grad():
         expected_params, expected_momentum = algorithm.finish(
             base_params, momentum, sums, buffer_names=buffers
@@ -136,14 +119,7 @@ async def verify_commit(box: Mailbox, r: int, manifest: p.Manifest | None = None
         != commit.momentum
     ):
         raise ProtocolError(f"{key}: its momentum is not the combination its record names")
-    return Verified(
-        r,
-        fragment,
-        tuple(learners),
-        commit.samples,
-        False,
-        tuple(x.learner for x in commit.excluded),
-    )
+    return Verified(r, fragment, learners, commit.samples, False, _excluded(commit))
 
 
 async def verify_group(box: Mailbox, key: str, manifest: p.Manifest | None = None) -> Verified:
@@ -159,27 +135,12 @@ async def verify_group(box: Mailbox, key: str, manifest: p.Manifest | None = Non
     commit = p.decode_commit(key, await _record(box, key))
     if commit.base is not None or commit.momentum is not None or commit.fragment != 0:
         raise ProtocolError(f"{key}: a group commit has no base, momentum or fragment")
-    if not commit.contributors:
-        raise ProtocolError(f"{key}: a group commit without members")
-    learners = [c.learner for c in commit.contributors]
-    if len(set(learners)) != len(learners):
-        raise ProtocolError(f"{key}: a learner is listed twice among the members")
-    if both := sorted(set(learners) & {x.learner for x in commit.excluded}):
-        raise ProtocolError(f"{key}: {both} are listed as members and as excluded")
+    learners = check_members(key, commit, "members")
     specs = manifest.fragments[0]
     # The stored parameters decode (as verify_commit checks a stored commit's): a record
     # whose key is right but whose bytes are damaged is found here, not by a reader later.
     await retrying(partial(get_tensors, box, commit.params, specs))
-    buffers = frozenset(spec.name for spec in specs if spec.kind == p.BUFFER)
-    members = [
-        Member(c.learner, c.samples, c.payload)
-        for c in sorted(commit.contributors, key=lambda c: c.learner)
-    ]
-    sums = {spec.name: torch.empty(spec.shape, dtype=torch.float32) for spec in specs}
-    try:
-        await weighted_sums(box, algorithm, specs, buffers, members, commit.closer, sums)
-    except Unusable as exc:
-        raise ProtocolError(f"{key}: {exc.cause}") from exc
+    sums, buffers = await recompute_sums(box, algorithm, specs, key, commit)
     like = {
         spec.name: torch.empty(0, dtype=getattr(torch, spec.dtype.removeprefix("torch.")))
         for spec in specs
@@ -189,6 +150,8 @@ async def verify_group(box: Mailbox, key: str, manifest: p.Manifest | None = Non
     found = await retrying(partial(stored_key, box, expected, commit.params))
     if found != commit.params:
         raise ProtocolError(f"{key}: its parameters are not the average of its members' payloads")
-    return Verified(
-        t, 0, tuple(learners), commit.samples, False, tuple(x.learner for x in commit.excluded)
-    )
+    return Verified(t, 0, learners, commit.samples, False, _excluded(commit))
+
+
+def _excluded(commit: p.Commit) -> tuple[str, ...]:
+    return tuple(x.learner for x in commit.excluded)

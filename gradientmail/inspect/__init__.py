@@ -3,11 +3,12 @@ operator's status, the live table of ``gradientmail run``). torch-free; it only 
 
 - ``_view.py``: :class:`RunWatcher` (a cursor over ``rounds/`` and a beat cache) and the
   :class:`RunView` it returns, with a :class:`LearnerView` per learner;
-- ``_groups.py``: a Moshpit run's group rounds (:class:`GroupsView`);
+- ``_groups.py``: a Moshpit run's group rounds (:class:`GroupsView`), and whether a run
+  has them (:func:`is_moshpit`, from the settings registry);
 - ``_traffic.py``: the bytes the learners moved, against what dense float32 rounds would.
 """
 
-from gradientmail.inspect._groups import GROUP_WINDOW, GroupRoundView, GroupsView
+from gradientmail.inspect._groups import GROUP_WINDOW, GroupRoundView, GroupsView, is_moshpit
 from gradientmail.inspect._traffic import Traffic, describe_compression
 from gradientmail.inspect._view import (
     STALLING_FRACTION,
@@ -30,4 +31,5 @@ __all__ = [
     "Traffic",
     "describe_compression",
     "inspect_run",
+    "is_moshpit",
 ]

@@ -22,20 +22,10 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from gradientmail import wire as p
 from gradientmail.errors import ProtocolError
 from gradientmail.mailbox import Mailbox
-from gradientmail.wire import (
-    GRID,
-    GROUP_ROUNDS,
-    GROUP_SNAPSHOTS,
-    Commit,
-    Manifest,
-    group_round_prefix,
-    group_snapshots_prefix,
-    parse_grid_key,
-    parse_group_round_key,
-    parse_group_snapshot_key,
-)
+from gradientmail.settings import exchange_kind
 
 __all__ = ["GROUP_WINDOW", "GroupRoundView", "GroupWatcher", "GroupsView", "is_moshpit"]
 
@@ -46,9 +36,12 @@ GROUP_WINDOW = 4
 _GROUP_MEMORY = 2 * GROUP_WINDOW  # group rounds whose records the watcher keeps in memory
 
 
-def is_moshpit(manifest: Manifest | None) -> bool:
-    """Whether the manifest names the Moshpit algorithm (False before there is one)."""
-    return manifest is not None and manifest.algorithm.get("name") == "moshpit"
+def is_moshpit(manifest: p.Manifest | None) -> bool:
+    """Whether the run exchanges its rounds in Moshpit groups rather than run-wide rounds
+    (the settings registry says, :func:`gradientmail.settings.exchange_kind`); False before
+    there is a manifest, and for an algorithm this release does not know (its rounds are
+    read as run-wide ones)."""
+    return manifest is not None and exchange_kind(manifest.algorithm.get("name")) == "groups"
 
 
 @dataclass(frozen=True)
@@ -137,7 +130,7 @@ def _forget_before(rounds: dict[int, Any], newest: int | None) -> None:
             del rounds[t]
 
 
-def _setting(manifest: Manifest, name: str) -> int:
+def _setting(manifest: p.Manifest, name: str) -> int:
     value = manifest.algorithm.get(name)
     return value if isinstance(value, int) else 0
 
@@ -155,7 +148,7 @@ class GroupWatcher:
         mailbox: Mailbox,
         *,
         clock: Callable[[], float],
-        decode: Callable[[str, bytes | None], Commit],
+        decode: Callable[[str, bytes | None], p.Commit],
         batch: int,
     ) -> None:
         self._mailbox = mailbox
@@ -182,9 +175,9 @@ class GroupWatcher:
         seen_at = await self._read_commits()
         await self._list_snapshots()
         slots = 0
-        for key in await self._mailbox.list(GRID):
+        for key in await self._mailbox.list(p.GRID):
             try:
-                parse_grid_key(key)
+                p.parse_grid_key(key)
             except ProtocolError:
                 continue  # not a slot claim (someone else's object): ignore it
             slots += 1
@@ -196,11 +189,11 @@ class GroupWatcher:
 
     async def _read_commits(self) -> float | None:
         newest = self._newest
-        after = "" if newest is None else group_round_prefix(max(1, newest - GROUP_WINDOW + 1))
+        after = "" if newest is None else p.group_round_prefix(max(1, newest - GROUP_WINDOW + 1))
         found: dict[int, list[str]] = {}
-        for key in await self._mailbox.list(GROUP_ROUNDS, after=after):
+        for key in await self._mailbox.list(p.GROUP_ROUNDS, after=after):
             try:
-                t, group = parse_group_round_key(key)
+                t, group = p.parse_group_round_key(key)
             except ProtocolError:
                 continue  # not a group commit (someone else's object): ignore it
             if group not in self._commits.get(t, {}):
@@ -227,10 +220,10 @@ class GroupWatcher:
 
     async def _list_snapshots(self) -> None:
         top = self._snap_newest
-        after = "" if top is None else group_snapshots_prefix(max(1, top - GROUP_WINDOW + 1))
-        for key in await self._mailbox.list(GROUP_SNAPSHOTS, after=after):
+        after = "" if top is None else p.group_snapshots_prefix(max(1, top - GROUP_WINDOW + 1))
+        for key in await self._mailbox.list(p.GROUP_SNAPSHOTS, after=after):
             try:
-                t, group, learner = parse_group_snapshot_key(key)
+                t, group, learner = p.parse_group_snapshot_key(key)
             except ProtocolError:
                 continue
             self._versions[learner] = max(t, self._versions.get(learner, 0))
@@ -243,7 +236,7 @@ class GroupWatcher:
         groups = self._commits.get(t or 0, {}).values()
         return tuple(sorted(learner for members, _ in groups for learner in members))
 
-    def view(self, manifest: Manifest, live: set[str]) -> GroupsView:
+    def view(self, manifest: p.Manifest, live: set[str]) -> GroupsView:
         """The view of what was read; ``live``: the learners live now (for the spread)."""
         committed = sorted(self._commits)[-GROUP_WINDOW:]
         rounds = tuple(

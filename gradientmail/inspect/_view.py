@@ -46,7 +46,6 @@ from typing import Any, TypeVar
 from gradientmail.coord.leases import LeaseTracker
 from gradientmail.errors import ProtocolError
 from gradientmail.inspect._groups import (
-    GroupRoundView,
     GroupsView,
     GroupWatcher,
     is_moshpit,
@@ -76,8 +75,6 @@ from gradientmail.wire.records import NO_TOTALS, Totals
 
 __all__ = [
     "STALLING_FRACTION",
-    "GroupRoundView",
-    "GroupsView",
     "LearnerView",
     "RunView",
     "RunWatcher",

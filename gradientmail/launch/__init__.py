@@ -2,5 +2,5 @@
 
 - ``runspec.py``: the ``GradientMailRun`` model (pydantic), the one source of the CRD.
 - ``env.py``: the node environment contract (:class:`NodeEnv`), read by the built-in node
-  (``python -m gradientmail.node``) and by users' own scripts.
+  (``python -m gradientmail.demo.node``) and by users' own scripts.
 """

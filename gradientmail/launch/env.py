@@ -13,32 +13,40 @@ variable                        meaning
 ``GRADIENTMAIL_NODE_INDEX``     0-based index of this node
 ``GRADIENTMAIL_NODES``          how many nodes the run was started with
 ``GRADIENTMAIL_BARRIERS``       ``name=parties`` pairs, comma-separated (``start=3,done=3``)
-``GRADIENTMAIL_ALGORITHM``      ``diloco`` (also when unset) or ``moshpit``
-``GRADIENTMAIL_SYNC_EVERY``     ``sync_every`` (local steps between syncs)
-``GRADIENTMAIL_FRAGMENTS``      DiLoCo ``fragments``
-``GRADIENTMAIL_OUTER_LR``       DiLoCo ``outer_lr``
-``GRADIENTMAIL_OUTER_MOMENTUM`` DiLoCo ``outer_momentum``
-``GRADIENTMAIL_QUORUM``         Session ``quorum_size`` (DiLoCo)
+``GRADIENTMAIL_ALGORITHM``      ``diloco`` (also when unset), ``sparseloco`` or ``moshpit``
+``GRADIENTMAIL_{SETTING}``      each algorithm setting of the registry, upper-cased
+                                (``SYNC_EVERY``, ``FRAGMENTS``, ``OUTER_LR``, ``BUFFERS``,
+                                ``ERROR_DECAY``, ``DENSE_EVERY``, ``GROUP_SIZE``, …)
+``GRADIENTMAIL_COMPRESSION``    the compressor (``topk:density=0.02,bits=2``, ``none``;
+                                empty: the algorithm's default)
+``GRADIENTMAIL_QUORUM``         Session ``quorum_size`` (run-wide rounds)
 ``GRADIENTMAIL_ROUND_TIMEOUT``  Session ``round_timeout`` (seconds)
+``GRADIENTMAIL_OVERLAP``        Session ``overlap`` (run-wide rounds)
+``GRADIENTMAIL_MIXING``         Session ``mixing`` (``none``, or α in [0, 1))
+``GRADIENTMAIL_KEEP_ROUNDS``    Session ``keep_rounds``
 ``GRADIENTMAIL_STEPS``          training steps of the built-in node
-``GRADIENTMAIL_GROUP_SIZE``     Moshpit ``group_size``
-``GRADIENTMAIL_GRID_DIMS``      Moshpit ``grid_dims``
+``GRADIENTMAIL_TASK``           the built-in node's task (``lm``, ``synthetic``), when set
+``GRADIENTMAIL_LM``             the built-in node's model sizes (``d_model=32,layers=1``)
 ==============================  ==========================================================
 
-Every variable is always set; the algorithm's own are read by its algorithm alone. An
+Which settings exist, their defaults and bounds, come from :mod:`gradientmail.settings`; an
+empty variable means the default (``OUTER_LR``'s is the algorithm's own: 0.7 for DiLoCo,
+1.0 for SparseLoCo). The algorithm's own settings are read by its algorithm alone. An
 environment without ``GRADIENTMAIL_ALGORITHM`` (a launcher that predates Moshpit) means
 DiLoCo.
 
 A training script of your own reads the same environment in two lines::
 
-    env = gradientmail.node.NodeEnv.from_environ()
+    env = gradientmail.NodeEnv.from_environ()
     with env.session(model) as session:   # Session(model, algorithm=…, mailbox=…, …)
         ...
 
-(``algorithm=`` is :meth:`NodeEnv.build_algorithm`: ``gm.DiLoCo(…)`` or ``gm.Moshpit(…)``),
+(``algorithm=`` is :meth:`NodeEnv.build_algorithm`: the run's ``gm.DiLoCo(…)``,
+``gm.SparseLoCo(…)`` or ``gm.Moshpit(…)``, with its compressor; a Session whose algorithm
+differs from the run's is refused at join, naming both values),
 and ``env.barrier().wait("start", parties=env.parties("start"))`` lines nodes up.
 
-The built-in node (``python -m gradientmail.node``) reads it the same way.
+The built-in node (``python -m gradientmail.demo.node``) reads it the same way.
 """
 
 from __future__ import annotations
@@ -48,10 +56,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from gradientmail import settings
 from gradientmail.mailbox import Mailbox
 from gradientmail.mailbox.url import open_mailbox
 from gradientmail.patterns._keys import check_segment
 from gradientmail.patterns.barrier import Barrier
+from gradientmail.settings import Setting, compression_from_text
 from gradientmail.wire import check_learner_id
 
 if TYPE_CHECKING:
@@ -60,14 +70,14 @@ if TYPE_CHECKING:
     from gradientmail.algorithms import Algorithm
     from gradientmail.session import Session
 
-__all__ = ["NodeEnv", "NodeEnvError"]
+__all__ = ["NodeEnv", "NodeEnvError", "launched_differences"]
 
 PREFIX = "GRADIENTMAIL_"
-ALGORITHMS = ("diloco", "moshpit")
-# gradientmail.algorithms.moshpit's bounds (that module needs torch; this one does not;
-# tests/launch/test_moshpit_launch.py checks that they agree).
-MAX_GROUP_SIZE = 1000
-MAX_GRID_DIMS = 8
+ALGORITHMS: tuple[str, ...] = tuple(settings.ALGORITHMS)
+MAX_GROUP_SIZE = settings.MAX_GROUP_SIZE
+MAX_GRID_DIMS = settings.MAX_GRID_DIMS
+TASK_VAR = PREFIX + "TASK"
+LM_VAR = PREFIX + "LM"
 
 
 class NodeEnvError(ValueError):
@@ -85,6 +95,22 @@ def _parse_barriers(text: str) -> dict[str, int]:
     return barriers
 
 
+def _registry() -> dict[str, Setting]:
+    """Every registry setting the environment carries, by name (an algorithm field's entry is
+    its first algorithm's: the bounds agree; the defaults are NodeEnv's own)."""
+    found: dict[str, Setting] = {}
+    for info in settings.ALGORITHMS.values():
+        for setting in info.fields:
+            found.setdefault(setting.name, setting)
+    for setting, _ in settings.SESSION.values():
+        found[setting.name] = setting
+    found["steps"] = settings.NODE["steps"]
+    return found
+
+
+_SETTINGS = _registry()
+
+
 @dataclass(frozen=True)
 class NodeEnv:
     mailbox: str
@@ -92,16 +118,30 @@ class NodeEnv:
     node_index: int = 0
     nodes: int = 1
     barriers: Mapping[str, int] = field(default_factory=dict)
+    algorithm: str = "diloco"  # one of ALGORITHMS
+    # The algorithms' settings (gradientmail.settings.ALGORITHMS); each is read only by the
+    # algorithms that have it.
     sync_every: int = 100
     fragments: int = 1
-    outer_lr: float = 0.7
+    outer_lr: float | None = None  # None: the algorithm's own default
     outer_momentum: float = 0.9
+    nesterov: bool = True
+    buffers: str = "average"
+    error_decay: float = 0.95
+    dense_every: int = 1
+    group_size: int = 4
+    grid_dims: int = 2
+    compression: str = ""  # compression_to_text's line; "": the algorithm's default
+    # Per-learner Session settings (gradientmail.settings.SESSION).
     quorum: int = 1
     round_timeout: float = 10.0
+    overlap: int = 0
+    mixing: float | None = None
+    keep_rounds: int = 2
+    # The built-in node's own (gradientmail.settings.NODE): "" leaves its default.
     steps: int = 200
-    algorithm: str = "diloco"  # one of ALGORITHMS
-    group_size: int = 4  # Moshpit
-    grid_dims: int = 2  # Moshpit
+    task: str = ""
+    lm: str = ""
 
     def __post_init__(self) -> None:
         check_learner_id(self.learner_id)
@@ -109,14 +149,18 @@ class NodeEnv:
             raise NodeEnvError(
                 f"{PREFIX}ALGORITHM={self.algorithm!r}: the algorithms are {', '.join(ALGORITHMS)}"
             )
-        if not 2 <= self.group_size <= MAX_GROUP_SIZE:
-            raise NodeEnvError(
-                f"{PREFIX}GROUP_SIZE={self.group_size} is not within 2..{MAX_GROUP_SIZE}"
-            )
-        if not 1 <= self.grid_dims <= MAX_GRID_DIMS:
-            raise NodeEnvError(
-                f"{PREFIX}GRID_DIMS={self.grid_dims} is not within 1..{MAX_GRID_DIMS}"
-            )
+        for name, setting in _SETTINGS.items():
+            value = getattr(self, name)
+            # outer_lr None: the algorithm's own default.
+            if not (value is None and name == "outer_lr") and not setting.valid(value):
+                raise NodeEnvError(f"{setting.env_var}={value!r} must be {setting.rule()}")
+        if self.compression:
+            try:
+                compression_from_text(self.compression)
+            except ValueError as exc:
+                raise NodeEnvError(f"{PREFIX}COMPRESSION={self.compression!r}: {exc}") from None
+        if self.task and not settings.NODE["task"].valid(self.task):
+            raise NodeEnvError(f"{TASK_VAR}={self.task!r} must be {settings.NODE['task'].rule()}")
         if self.nodes < 1 or not 0 <= self.node_index < self.nodes:
             raise NodeEnvError(f"node index {self.node_index} is not within 0..{self.nodes - 1}")
         for name, parties in self.barriers.items():
@@ -127,23 +171,27 @@ class NodeEnv:
     # -- the wire: environment variables -------------------------------------------------
 
     def to_environ(self) -> dict[str, str]:
-        return {
+        """Every variable of the contract (an empty one: the default); ``GRADIENTMAIL_TASK``
+        and ``GRADIENTMAIL_LM`` only when set, so a launcher's own pass through."""
+        environ = {
             f"{PREFIX}MAILBOX": self.mailbox,
             f"{PREFIX}LEARNER_ID": self.learner_id,
             f"{PREFIX}NODE_INDEX": str(self.node_index),
             f"{PREFIX}NODES": str(self.nodes),
             f"{PREFIX}BARRIERS": ",".join(f"{k}={v}" for k, v in self.barriers.items()),
-            f"{PREFIX}SYNC_EVERY": str(self.sync_every),
-            f"{PREFIX}FRAGMENTS": str(self.fragments),
-            f"{PREFIX}OUTER_LR": repr(self.outer_lr),
-            f"{PREFIX}OUTER_MOMENTUM": repr(self.outer_momentum),
-            f"{PREFIX}QUORUM": str(self.quorum),
-            f"{PREFIX}ROUND_TIMEOUT": repr(self.round_timeout),
-            f"{PREFIX}STEPS": str(self.steps),
             f"{PREFIX}ALGORITHM": self.algorithm,
-            f"{PREFIX}GROUP_SIZE": str(self.group_size),
-            f"{PREFIX}GRID_DIMS": str(self.grid_dims),
+            f"{PREFIX}COMPRESSION": self.compression,
         }
+        for name, setting in _SETTINGS.items():
+            value = getattr(self, name)
+            environ[setting.env_var] = (
+                ("none" if setting.nullable else "") if value is None else str(value)
+            )
+        if self.task:
+            environ[TASK_VAR] = self.task
+        if self.lm:
+            environ[LM_VAR] = self.lm
+        return environ
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> NodeEnv:
@@ -162,6 +210,15 @@ class NodeEnv:
             except ValueError:
                 raise NodeEnvError(f"{PREFIX}{name}={text!r} is not a {kind.__name__}") from None
 
+        values: dict[str, Any] = {}
+        for name, setting in _SETTINGS.items():
+            text = env.get(setting.env_var, "")
+            if text == "":
+                continue  # unset: NodeEnv's default
+            try:
+                values[name] = setting.parse(text)
+            except ValueError as exc:
+                raise NodeEnvError(f"{setting.env_var}={exc}") from None
         try:
             return cls(
                 mailbox=raw("MAILBOX"),
@@ -169,16 +226,11 @@ class NodeEnv:
                 node_index=number("NODE_INDEX", int, 0),
                 nodes=number("NODES", int, 1),
                 barriers=_parse_barriers(env.get(PREFIX + "BARRIERS", "")),
-                sync_every=number("SYNC_EVERY", int, cls.sync_every),
-                fragments=number("FRAGMENTS", int, cls.fragments),
-                outer_lr=number("OUTER_LR", float, cls.outer_lr),
-                outer_momentum=number("OUTER_MOMENTUM", float, cls.outer_momentum),
-                quorum=number("QUORUM", int, cls.quorum),
-                round_timeout=number("ROUND_TIMEOUT", float, cls.round_timeout),
-                steps=number("STEPS", int, cls.steps),
                 algorithm=env.get(PREFIX + "ALGORITHM", "") or cls.algorithm,
-                group_size=number("GROUP_SIZE", int, cls.group_size),
-                grid_dims=number("GRID_DIMS", int, cls.grid_dims),
+                compression=env.get(PREFIX + "COMPRESSION", ""),
+                task=env.get(TASK_VAR, ""),
+                lm=env.get(LM_VAR, ""),
+                **values,
             )
         except NodeEnvError:
             raise
@@ -200,32 +252,53 @@ class NodeEnv:
             poll_interval=poll_interval,
         )
 
+    def algorithm_settings(self) -> dict[str, Any]:
+        """The run's algorithm as the manifest's ``algorithm`` input (``from_settings``):
+        its name, its own settings from this environment (the registry says which), its
+        compressor when set."""
+        info = settings.algorithm_info(self.algorithm)
+        values: dict[str, Any] = {"name": self.algorithm}
+        for setting in info.fields:
+            value = getattr(self, setting.name)
+            if value is not None:
+                values[setting.name] = value
+        if info.compression != "none" and self.compression:
+            compression = compression_from_text(self.compression)
+            if compression is not None:
+                values["compression"] = compression
+            elif info.compression == "required":
+                raise NodeEnvError(
+                    f"{PREFIX}COMPRESSION=none: {info.title} needs a compressor "
+                    f"({', '.join(settings.COMPRESSORS)})"
+                )
+        return values
+
     def build_algorithm(self) -> Algorithm:
-        """``gm.Moshpit(sync_every, group_size, grid_dims)`` for a Moshpit run, else
-        ``gm.DiLoCo(sync_every, fragments, outer_lr, outer_momentum)``: what every node's
-        Session runs (and what ``gradientmail run`` matches against a run's manifest)."""
-        if self.algorithm == "moshpit":
-            from gradientmail.algorithms.moshpit import Moshpit
+        """The run's algorithm (DiLoCo, SparseLoCo or Moshpit, with its compressor): what
+        every node's Session runs, and what ``gradientmail run`` matches against a run's
+        manifest."""
+        from gradientmail.algorithms import from_manifest
 
-            return Moshpit(
-                sync_every=self.sync_every, group_size=self.group_size, grid_dims=self.grid_dims
-            )
-        from gradientmail.algorithms import DiLoCo
+        return from_manifest(self.algorithm_settings())
 
-        return DiLoCo(
-            sync_every=self.sync_every,
-            fragments=self.fragments,
-            outer_lr=self.outer_lr,
-            outer_momentum=self.outer_momentum,
-        )
+    def session_options(self) -> dict[str, Any]:
+        """The Session settings of this environment that apply to the run's exchange."""
+        options: dict[str, Any] = {"round_timeout": self.round_timeout}
+        options["keep_rounds"] = self.keep_rounds
+        if settings.applies("quorum", self.algorithm):
+            options["quorum_size"] = self.quorum
+        if settings.applies("overlap", self.algorithm):
+            options["overlap"] = self.overlap
+            options["mixing"] = self.mixing
+        return options
 
     def session(
         self, model: torch.nn.Module, mailbox: Mailbox | None = None, **options: Any
     ) -> Session:
         from gradientmail.session import Session
 
-        options.setdefault("quorum_size", self.quorum)  # Moshpit's group rounds have none
-        options.setdefault("round_timeout", self.round_timeout)
+        for key, value in self.session_options().items():
+            options.setdefault(key, value)
         return Session(
             model,
             algorithm=self.build_algorithm(),
@@ -233,3 +306,26 @@ class NodeEnv:
             learner_id=self.learner_id,
             **options,
         )
+
+
+def launched_differences(
+    learner_id: str, algorithm: Mapping[str, Any], environ: Mapping[str, str] | None = None
+) -> list[str]:
+    """How ``algorithm`` (a Session's settings) differs from the run this process was
+    launched into: when ``gradientmail run`` or the operator started it as ``learner_id``
+    (its ``GRADIENTMAIL_LEARNER_ID``), the run's settings are the environment's, and a
+    script that built another algorithm would train something other than what the launcher
+    shows. Empty when it matches, or when this process was not launched as that learner."""
+    env = os.environ if environ is None else environ
+    if env.get(PREFIX + "LEARNER_ID") != learner_id or not env.get(PREFIX + "ALGORITHM"):
+        return []
+    launched = NodeEnv.from_environ(env).build_algorithm().settings()
+    found = []
+    for name in sorted(set(launched) | set(algorithm)):
+        theirs, mine = launched.get(name), algorithm.get(name)
+        if theirs != mine:
+            var = "ALGORITHM" if name == "name" else name.upper()
+            found.append(
+                f"algorithm {name}: the run has {theirs!r} ({PREFIX}{var}), this node has {mine!r}"
+            )
+    return found

@@ -26,7 +26,9 @@ from pydantic import (
     model_validator,
 )
 
-from gradientmail.launch.env import MAX_GRID_DIMS, MAX_GROUP_SIZE, NodeEnv
+from gradientmail import settings
+from gradientmail.launch.env import LM_VAR, TASK_VAR, NodeEnv
+from gradientmail.settings import Setting, camel, compression_to_text
 
 GROUP = "gradientmail.dev"
 VERSION = "v1alpha1"
@@ -36,19 +38,14 @@ SINGULAR = "gradientmailrun"
 SHORT_NAMES = ["gmr"]
 
 DEFAULT_IMAGE = "ghcr.io/gradientmail/node:0.1.0"
-DEFAULT_COMMAND = ["python", "-m", "gradientmail.node"]
+DEFAULT_COMMAND = ["python", "-m", "gradientmail.demo.node"]
 
 _SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
 
-def _camel(name: str) -> str:
-    head, *rest = name.split("_")
-    return head + "".join(part.title() for part in rest)
-
-
 class _Model(BaseModel):
     model_config = ConfigDict(
-        extra="forbid", alias_generator=_camel, populate_by_name=True, frozen=True
+        extra="forbid", alias_generator=camel, populate_by_name=True, frozen=True
     )
 
 
@@ -88,7 +85,7 @@ _FREE_FORM = "Kubernetes {what}, as in a pod spec; passed through as given."
 
 
 class PodTemplate(_Model):
-    """What each node pod runs. Defaults run the built-in node (``gradientmail.node``)."""
+    """What each node pod runs. Defaults run the built-in node (``gradientmail.demo.node``)."""
 
     # The fields a PyTorchJob or JobSet user writes for a pod and its container, by the same
     # names. Kubernetes objects (volumes, affinity, security contexts, ...) are taken as
@@ -148,9 +145,12 @@ class PodTemplate(_Model):
     @classmethod
     def _no_reserved_env(cls, env: list[EnvVar]) -> list[EnvVar]:
         for var in env:
-            if var.name.startswith("GRADIENTMAIL_"):
+            # The built-in node's own settings (its task, its model's sizes) are not the
+            # contract's: a pod may set them (or spec.algorithm.task / .lm).
+            if var.name.startswith("GRADIENTMAIL_") and var.name not in (TASK_VAR, LM_VAR):
                 raise ValueError(
-                    f"env {var.name}: GRADIENTMAIL_* variables are set by the operator"
+                    f"env {var.name}: GRADIENTMAIL_* variables are set by the operator "
+                    f"(except {TASK_VAR} and {LM_VAR}: spec.algorithm.task and .lm set them too)"
                 )
         return env
 
@@ -235,94 +235,278 @@ class MailboxSpec(_Model):
         return self
 
 
-# The settings of one algorithm only: under the other one they are refused by name unless
-# they keep their default (so a resource written out with every default, as
-# `gradientmail run` writes run.yaml and the API server fills in the CRD's defaults, is
-# still accepted).
-DILOCO_ONLY = ("fragments", "outer_lr", "outer_momentum", "quorum")
-MOSHPIT_ONLY = ("group_size", "grid_dims")
+# -- the algorithm and Session settings, derived from gradientmail.settings ----------------
+
+
+def _setting(name: str, algorithm: str | None = None) -> Setting:
+    """The registry's entry for a spec field (an algorithm field: ``algorithm``'s own when
+    it has one, else its first owner's; the kinds and bounds agree)."""
+    if name in settings.SESSION:
+        return settings.SESSION[name][0]
+    if name in settings.NODE:
+        return settings.NODE[name]
+    infos = list(settings.ALGORITHMS.values())
+    if algorithm in settings.ALGORITHMS:
+        infos.insert(0, settings.ALGORITHMS[algorithm])
+    for info in infos:
+        for setting in info.fields:
+            if setting.name == name:
+                return setting
+    raise KeyError(name)
+
+
+def _spec_default(name: str) -> Any:
+    """The spec's default: the registry's when every algorithm that has the setting agrees,
+    else None (each algorithm's own: ``outerLr`` is 0.7 for DiLoCo, 1.0 for SparseLoCo)."""
+    if name in settings.SESSION or name in settings.NODE:
+        return _setting(name).default
+    values = {
+        repr(info.field(name).default)
+        for info in settings.ALGORITHMS.values()
+        if name in info.names
+    }
+    return _setting(name).default if len(values) == 1 else None
+
+
+def _bounds(setting: Setting) -> dict[str, Any]:
+    """The JSON-schema bounds of a setting (the CRD's; the values are checked with the
+    registry's own rule, so every place words a bad value alike)."""
+    schema: dict[str, Any] = {}
+    for key, value in (
+        ("minimum", setting.ge),
+        ("exclusiveMinimum", setting.gt),
+        ("maximum", setting.le),
+        ("exclusiveMaximum", setting.lt),
+    ):
+        if value is not None:
+            schema[key] = int(value) if setting.kind == "int" else value
+    if setting.kind == "choice" and isinstance(setting.choices[0], int):
+        schema["enum"] = list(setting.choices)
+    return schema
+
+
+def _applies_to(name: str) -> str:
+    owners = settings.owners(name)
+    if len(owners) == len(settings.ALGORITHMS):
+        return ""
+    return "/".join(settings.ALGORITHMS[o].title for o in owners) + " only: "
+
+
+def _field(name: str) -> Any:
+    setting = _setting(name)
+    default = _spec_default(name)
+    description = _applies_to(name) + setting.description
+    if default is None and name not in settings.SESSION and name not in settings.NODE:
+        description += " Default: " + ", ".join(
+            f"{info.title} {info.field(name).default!r}"
+            for info in settings.ALGORITHMS.values()
+            if name in info.names
+        )
+    return Field(
+        default=default,
+        description=description,
+        json_schema_extra=_bounds(setting) or None,
+    )
+
+
+def _other_algorithm(name: str, algorithm: str, default: Any) -> str:
+    """The one refusal of a setting the run's algorithm does not have."""
+    owners = settings.owners(name)
+    titles = "/".join(settings.ALGORITHMS[o].title for o in owners)
+    info = settings.ALGORITHMS[algorithm]
+    return (
+        f"a {titles} setting, and this run is {info.title} (algorithm.name: {algorithm}); "
+        f"leave it out{'' if default is None else f' (or at {default!r})'}, or set "
+        f"algorithm.name: {owners[0]}"
+    )
+
+
+class CompressionSpec(_Model):
+    """A compressor of the pseudo-gradients (DiLoCo: optional; SparseLoCo: top-k by
+    default). Only the named compressor's own fields may be given."""
+
+    name: Literal["topk", "cast", "quantize"] = Field(
+        description="; ".join(f"{c.name}: {c.description}" for c in settings.COMPRESSORS.values())
+    )
+    density: float | None = Field(default=None, description="topk: fraction of each chunk kept.")
+    bits: int | None = Field(default=None, description="topk: 2, 4 or 8; quantize: 8 or 4.")
+    chunk: int | None = Field(default=None, description="topk, quantize: elements per chunk.")
+    dtype: Literal["bfloat16", "float16"] | None = Field(
+        default=None, description="cast: the 16-bit float type."
+    )
+
+    @field_validator("density", "bits", "chunk", "dtype")
+    @classmethod
+    def _of_this_compressor(cls, value: Any, info: ValidationInfo) -> Any:
+        name = info.data.get("name")
+        if value is None or name is None:
+            return value
+        compressor = settings.compressor_info(name)
+        field = info.field_name
+        assert field is not None
+        if field not in [f.name for f in compressor.fields]:
+            raise ValueError(
+                f"not a setting of {compressor.title} (its settings: "
+                + ", ".join(f.name for f in compressor.fields)
+                + ")"
+            )
+        setting = compressor.field(field)
+        if not setting.valid(value):
+            raise ValueError(f"must be {setting.rule()}")
+        return value
+
+    def settings(self) -> dict[str, Any]:
+        """The compressor's settings as its class reads them (unset fields: defaults)."""
+        return self.model_dump(exclude_none=True)
+
+
+# Defaults the first CRD wrote into every stored resource (outerLr had one then; it is now
+# each algorithm's own): still accepted where the setting does not apply.
+_LEGACY: dict[str, Any] = {"outer_lr": 0.7}
+
+# Every setting of the spec's algorithm section that the registry describes (``name`` and
+# ``compression`` aside), in the order the CRD lists them.
+SETTING_FIELDS: tuple[str, ...] = (
+    "sync_every",
+    "fragments",
+    "outer_lr",
+    "outer_momentum",
+    "nesterov",
+    "buffers",
+    "error_decay",
+    "dense_every",
+    "group_size",
+    "grid_dims",
+    "quorum",
+    "round_timeout",
+    "overlap",
+    "mixing",
+    "keep_rounds",
+    "steps",
+    "task",
+)
 
 
 class AlgorithmSpec(_Model):
-    """The algorithm (name: diloco or moshpit) and the Session settings of every node."""
+    """The algorithm, its settings and the Session settings of every node (the registry,
+    :mod:`gradientmail.settings`, describes each)."""
 
     # One line, `algorithm: {name: moshpit}`, turns a run into Moshpit SGD on a 4 x 4 grid.
-    # A setting of the other algorithm (fragments under Moshpit, groupSize under DiLoCo,
-    # ...) is refused by name unless it keeps its default.
+    # A setting the algorithm does not have (fragments under Moshpit, groupSize under
+    # DiLoCo, ...) is refused by name unless it keeps its default.
 
-    name: Literal["diloco", "moshpit"] = Field(
+    name: Literal["diloco", "sparseloco", "moshpit"] = Field(
         default="diloco",
-        description=(
-            "The algorithm: diloco (every learner averages with every other at each sync "
-            "point) or moshpit (small groups on a virtual grid of groupSize ** gridDims "
-            "cells average at each sync point)."
-        ),
+        description="The algorithm: "
+        + "; ".join(f"{i.name}: {i.description}" for i in settings.ALGORITHMS.values()),
     )
-    sync_every: int = Field(default=100, ge=1, description="Local steps between syncs.")
-    fragments: int = Field(
-        default=1, ge=1, description="DiLoCo only: streaming fragments (Moshpit: 1)."
+    sync_every: int = _field("sync_every")
+    fragments: int = _field("fragments")
+    outer_lr: float | None = _field("outer_lr")
+    outer_momentum: float = _field("outer_momentum")
+    nesterov: bool = _field("nesterov")
+    buffers: Literal["average", "closer"] = _field("buffers")
+    error_decay: float = _field("error_decay")
+    dense_every: int = _field("dense_every")
+    compression: CompressionSpec | None = Field(
+        default=None,
+        description=_applies_to("compression")
+        + "the compressor (default: none for DiLoCo, topk density 0.02 bits 2 for SparseLoCo).",
     )
-    outer_lr: float = Field(default=0.7, gt=0, description="DiLoCo only: outer learning rate.")
-    outer_momentum: float = Field(
-        default=0.9, ge=0, lt=1, description="DiLoCo only: outer Nesterov momentum."
+    group_size: int = _field("group_size")
+    grid_dims: int = _field("grid_dims")
+    quorum: int = _field("quorum")
+    round_timeout: float = _field("round_timeout")
+    overlap: int = _field("overlap")
+    mixing: float | None = _field("mixing")
+    keep_rounds: int = _field("keep_rounds")
+    steps: int = _field("steps")
+    task: Literal["lm", "synthetic"] | None = Field(
+        default=None,
+        description=settings.NODE["task"].description + " Unset: the node's default (lm).",
     )
-    quorum: int = Field(
-        default=1,
-        ge=1,
-        description="DiLoCo only: contributions a round may close with after roundTimeout.",
-    )
-    round_timeout: float = Field(
-        default=10.0,
-        gt=0,
-        description="Seconds a round (a group round, for Moshpit) waits for the missing.",
-    )
-    steps: int = Field(default=200, ge=1, description="Steps of the built-in node.")
-    group_size: int = Field(
-        default=4,
-        ge=2,
-        le=MAX_GROUP_SIZE,
-        description="Moshpit only: the grid's side, the members of a full group.",
-    )
-    grid_dims: int = Field(
-        default=2,
-        ge=1,
-        le=MAX_GRID_DIMS,
-        description=(
-            "Moshpit only: the grid's dimensions; gridDims rounds average every learner of "
-            "a full grid (groupSize ** gridDims learners) with every other."
-        ),
+    lm: str | None = Field(
+        default=None,
+        description="The built-in node's language model sizes as key=value pairs ("
+        + ", ".join(settings.LM_SIZES)
+        + "), e.g. d_model=32,layers=1.",
     )
 
-    @field_validator(*DILOCO_ONLY, *MOSHPIT_ONLY)
+    @field_validator(*SETTING_FIELDS, "compression")
     @classmethod
     def _of_this_algorithm(cls, value: Any, info: ValidationInfo) -> Any:
         # ``name`` is declared first, so it is validated before these (when it failed, only
         # its own error is reported).
         name = info.data.get("name")
-        if name is None:
-            return value
         field = info.field_name
         assert field is not None
-        own = "diloco" if field in DILOCO_ONLY else "moshpit"
+        if value is None or name is None:
+            return value
         default = cls.model_fields[field].default
-        if name != own and value != default:
-            if own == "diloco":
+        legacy = _LEGACY.get(field, default)
+        if not settings.applies(field, name) and value not in (default, legacy):
+            raise ValueError(_other_algorithm(field, name, default))
+        if field != "compression" and field != "task":
+            setting = _setting(field, name)
+            if not setting.valid(value):
+                raise ValueError(f"must be {setting.rule()}")
+        return value
+
+    @field_validator("lm")
+    @classmethod
+    def _lm_sizes(cls, value: str | None) -> str | None:
+        for item in (part.strip() for part in (value or "").split(",") if part.strip()):
+            key, sep, raw = (s.strip() for s in item.partition("="))
+            if not sep or key not in settings.LM_SIZES:
                 raise ValueError(
-                    "a DiLoCo setting, and this run is Moshpit (algorithm.name: moshpit), "
-                    f"which averages whole models in groups; leave it out (or at {default!r}), "
-                    "or set algorithm.name: diloco"
+                    f"{item!r} is not key=value with a key among {', '.join(settings.LM_SIZES)}"
                 )
-            raise ValueError(
-                "a Moshpit setting, and this run is DiLoCo; set algorithm.name: moshpit to "
-                "run Moshpit, or leave it out"
-            )
+            setting = settings.LM_SIZES[key]
+            parsed = setting.parse(raw)
+            if not setting.valid(parsed):
+                raise ValueError(f"{key} must be {setting.rule()}")
         return value
 
     @model_validator(mode="after")
-    def _fragments_fit(self) -> AlgorithmSpec:
+    def _fits(self) -> AlgorithmSpec:
         if self.fragments > self.sync_every:
             raise ValueError("algorithm.fragments cannot exceed algorithm.syncEvery")
         return self
+
+    def applicable(self) -> dict[str, Any]:
+        """The settings that mean something to this run's algorithm, as given (None: the
+        algorithm's default)."""
+        return {
+            field: getattr(self, field)
+            for field in (*SETTING_FIELDS, "compression", "lm")
+            if settings.applies(field, self.name)
+        }
+
+    def algorithm_settings(self) -> dict[str, Any]:
+        """The settings the nodes' algorithm is built from (a manifest's ``algorithm``
+        input, the defaults filled in): what every node runs."""
+        info = settings.algorithm_info(self.name)
+        values: dict[str, Any] = {"name": self.name}
+        for setting in info.fields:
+            value = getattr(self, setting.name)
+            values[setting.name] = setting.default if value is None else value
+        if self.compression is not None:
+            values["compression"] = self.compression.settings()
+        elif info.default_compression is not None:
+            values["compression"] = dict(info.default_compression)
+        return values
+
+    def describe(self) -> str:
+        """One line of what the nodes run: ``syncEvery 25, DiLoCo, fragments 2, …``."""
+        values = self.algorithm_settings()
+        title = settings.algorithm_info(self.name).title
+        parts = [f"syncEvery {values.pop('sync_every')}", title]
+        values.pop("name")
+        compression = values.pop("compression", None)
+        parts += [f"{camel(k)} {v}" for k, v in values.items()]
+        if compression is not None:
+            parts.append(f"compression {compression_to_text(compression)}")
+        return ", ".join(parts)
 
 
 class GradientMailRunSpec(_Model):
@@ -349,6 +533,17 @@ class GradientMailRunSpec(_Model):
                     f"barrier name {name!r} must be 1-63 characters of A-Z a-z 0-9 . _ -"
                 )
         return barriers
+
+    @model_validator(mode="after")
+    def _node_settings_once(self) -> GradientMailRunSpec:
+        given = {var.name for var in self.template.env}
+        for var, field in ((TASK_VAR, "task"), (LM_VAR, "lm")):
+            if var in given and getattr(self.algorithm, field) is not None:
+                raise ValueError(
+                    f"template.env {var} and algorithm.{field} both set the built-in node's "
+                    f"{field}; give one of them"
+                )
+        return self
 
     def parties(self) -> dict[str, int]:
         """Every barrier the built-in node uses, with its parties (default: all nodes)."""
@@ -392,20 +587,18 @@ def learner_id(run: str, index: int) -> str:
 def node_env(spec: GradientMailRunSpec, run: str, index: int, url: str) -> NodeEnv:
     """The environment contract of node ``index`` of run ``run`` (mailbox ``url``)."""
     algo = spec.algorithm
+    compression = algo.compression
+    # Every registry setting by the same name (the node's task: "" leaves its default).
+    values: dict[str, Any] = {field: getattr(algo, field) for field in SETTING_FIELDS}
+    values["task"] = algo.task or ""
     return NodeEnv(
         mailbox=url,
         learner_id=learner_id(run, index),
         node_index=index,
         nodes=spec.nodes,
         barriers=spec.parties(),
-        sync_every=algo.sync_every,
-        fragments=algo.fragments,
-        outer_lr=algo.outer_lr,
-        outer_momentum=algo.outer_momentum,
-        quorum=algo.quorum,
-        round_timeout=algo.round_timeout,
-        steps=algo.steps,
         algorithm=algo.name,
-        group_size=algo.group_size,
-        grid_dims=algo.grid_dims,
+        compression="" if compression is None else compression_to_text(compression.settings()),
+        lm=algo.lm or "",
+        **values,
     )

@@ -8,6 +8,8 @@ Files of this package:
 
 - ``__init__.py``: the :class:`Mailbox` Protocol and what every backend must guarantee.
 - ``_keys.py``: key and prefix validation shared by the built-in backends (before any I/O).
+- ``_threaded.py``: :class:`ThreadedMailbox`, the four coroutines of a backend whose calls
+  block (file, S3): keys checked first, then the call on a worker thread.
 - ``memory.py``: :class:`MemoryMailbox`, a dict behind a lock; named instances for tests.
 - ``file.py``: :class:`FileMailbox`, objects as files, create-once by hard-link staging.
 - ``s3.py``: :class:`S3Mailbox`, any S3-compatible store through boto3 with

@@ -22,19 +22,17 @@ overlap that way.
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import os
 import socket
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from gradientmail.errors import MailboxError, MailboxUnavailable
-from gradientmail.mailbox import Mailbox
-from gradientmail.mailbox._keys import check_after, check_key, check_keys, check_prefix
+from gradientmail.mailbox._threaded import ThreadedMailbox
 
 __all__ = ["FileMailbox"]
 
@@ -68,7 +66,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-class FileMailbox(Mailbox):
+class FileMailbox(ThreadedMailbox):
     """Objects as files under ``root/objects``; the slashes of a key are directories."""
 
     def __init__(
@@ -101,26 +99,6 @@ class FileMailbox(Mailbox):
 
     def __reduce__(self) -> Any:
         return (_reopen, (str(self.root), self.fsync, self.staging_ttl))
-
-    # -- the four coroutines -------------------------------------------------------------
-
-    async def put_if_absent(self, key: str, data: bytes) -> bool:
-        check_key(key)
-        return await asyncio.to_thread(self._put_if_absent, key, data)
-
-    async def get(self, key: str) -> bytes | None:
-        check_key(key)
-        return await asyncio.to_thread(self._get, key)
-
-    async def list(self, prefix: str, *, after: str = "") -> Sequence[str]:
-        check_prefix(prefix)
-        check_after(after)
-        return await asyncio.to_thread(self._list, prefix, after)
-
-    async def delete(self, keys: Iterable[str]) -> None:
-        doomed = check_keys(keys)
-        if doomed:
-            await asyncio.to_thread(self._delete, doomed)
 
     # -- blocking implementations ----------------------------------------------------------
 

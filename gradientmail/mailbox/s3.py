@@ -13,9 +13,8 @@ access become :class:`MailboxConfigError` naming the bucket and endpoint.
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlencode
 
@@ -24,8 +23,8 @@ import botocore.exceptions as bce
 from botocore.config import Config
 
 from gradientmail.errors import MailboxConfigError, MailboxError, MailboxUnavailable
-from gradientmail.mailbox import Mailbox
-from gradientmail.mailbox._keys import check_after, check_key, check_keys, check_prefix
+from gradientmail.mailbox._keys import check_key
+from gradientmail.mailbox._threaded import ThreadedMailbox
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -68,7 +67,7 @@ _TRANSIENT_CODES = frozenset(
 )
 
 
-class S3Mailbox(Mailbox):
+class S3Mailbox(ThreadedMailbox):
     """A mailbox in ``bucket`` under ``prefix`` (each run should use its own prefix).
 
     Credentials come from boto3's standard chain (environment, shared config and
@@ -168,26 +167,6 @@ class S3Mailbox(Mailbox):
     @property
     def _where(self) -> str:
         return f"bucket {self.bucket!r} at {self.endpoint_url}"
-
-    # -- the four coroutines -------------------------------------------------------------
-
-    async def put_if_absent(self, key: str, data: bytes) -> bool:
-        check_key(key)
-        return await asyncio.to_thread(self._put_if_absent, key, data)
-
-    async def get(self, key: str) -> bytes | None:
-        check_key(key)
-        return await asyncio.to_thread(self._get, key)
-
-    async def list(self, prefix: str, *, after: str = "") -> Sequence[str]:
-        check_prefix(prefix)
-        check_after(after)
-        return await asyncio.to_thread(self._list, prefix, after)
-
-    async def delete(self, keys: Iterable[str]) -> None:
-        doomed = tuple(dict.fromkeys(check_keys(keys)))  # de-duplicated, order kept
-        if doomed:
-            await asyncio.to_thread(self._delete, doomed)
 
     # -- blocking implementations ----------------------------------------------------------
 

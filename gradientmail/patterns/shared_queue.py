@@ -84,10 +84,10 @@ from collections import deque
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from types import TracebackType
+from functools import partial
 from typing import Any, Generic, TypeVar
 
-from gradientmail.coord.election import abandoned
+from gradientmail.coord.claims import NEXT, WAIT, ClaimSeries, Verdict, judged
 from gradientmail.coord.heartbeat import Heartbeat
 from gradientmail.coord.leases import LeaseTracker
 from gradientmail.errors import ProtocolError
@@ -350,32 +350,42 @@ class _Worker(Generic[B]):
         if self._call(claim(self.box, unit, self.learner)):
             self._mine.add(claim_key(unit))
             return 0
-        if self._holder(claim_key(unit)) != self.learner:
+        claims = self._claims(unit)
+        if self._call(claims.holder(0)) != self.learner:
             return None
         # Our own claim from an earlier life of this learner.
         if self._call(self.box.get(done_key(unit))) is not None:
             return None  # finished then: the trailing pass sees it done
         attempts = self._call(self.box.list(f"{RECLAIMS}{unit}/"))
         newest = max((_parse_reclaim(key)[1] for key in attempts), default=0)
-        if self._holder(claim_key(unit, newest)) != self.learner:
-            return None  # someone took it over
-        return self._reclaim(unit, newest + 1)
+        return self._retake(unit, claims, newest, None)
 
-    def _reclaim(self, unit: str, attempt: int) -> int | None:
-        key = claim_key(unit, attempt)
-        if not self._call(claim(self.box, unit, self.learner, attempt)):
-            return None
-        self._mine.add(key)
-        self.reclaimed.append(unit)
-        return attempt
+    def _claims(self, unit: str) -> ClaimSeries:
+        """``unit``'s claims, as this node watches them (each request made once)."""
 
-    def _holder(self, key: str, cache: dict[str, str] | None = None) -> str:
-        if cache is not None and key in cache:
-            return cache[key]
-        holder = _holder(key, self._call(self.box.get(key)))
-        if cache is not None:
-            cache[key] = holder  # a claim is never replaced
-        return holder
+        async def holder_of(key: str) -> str:
+            return _holder(key, await self.box.get(key))
+
+        return ClaimSeries(
+            self.box,
+            self.learner,
+            partial(claim_key, unit),
+            record=self.learner.encode(),
+            holder_of=holder_of,
+            what=f"unit {unit}",
+            clock=self.clock,
+            call=None,
+        )
+
+    def _retake(
+        self, unit: str, claims: ClaimSeries, newest: int, tracker: LeaseTracker | None
+    ) -> int | None:
+        """One look at ``unit``'s newest claim: the attempt this node re-claimed, or None."""
+        won = self._call(claims.take(newest, partial(self._decide, claims, tracker)))
+        if won is not None:
+            self._mine.add(claims.key_of(won))
+            self.reclaimed.append(unit)
+        return won
 
     def _load(self, unit: str, attempt: int) -> None:
         if self.stopping.is_set():
@@ -390,8 +400,7 @@ class _Worker(Generic[B]):
     def _trail(self, pending: list[str]) -> None:
         """Wait for the units of others until each is done; take over those whose owner left."""
         tracker = LeaseTracker(self.lease_timeout, clock=self.clock)
-        holders: dict[str, str] = {}
-        watched: dict[str, float] = {}
+        watched: dict[str, ClaimSeries] = {}
         while pending:
             if self.stopping.is_set():
                 raise _Stopped
@@ -406,14 +415,9 @@ class _Worker(Generic[B]):
                 newest[unit] = max(attempt, newest.get(unit, 0))
             took = False
             for unit in pending:
-                attempt = newest.get(unit, 0)
-                key = claim_key(unit, attempt)
-                if key in self._mine:
-                    continue
-                holder = self._holder(key, holders)
-                if not self._gone(holder, key, tracker, watched):
-                    continue
-                won = self._reclaim(unit, attempt + 1)
+                if unit not in watched:
+                    watched[unit] = self._claims(unit)
+                won = self._retake(unit, watched[unit], newest.get(unit, 0), tracker)
                 if won is None:
                     continue
                 pending.remove(unit)
@@ -431,19 +435,24 @@ class _Worker(Generic[B]):
             return [unit for unit in units if unit not in done]
         return [unit for unit in units if self._call(self.box.get(done_key(unit))) is None]
 
-    def _gone(
-        self, holder: str, key: str, tracker: LeaseTracker, watched: dict[str, float]
-    ) -> bool:
+    async def _decide(
+        self,
+        claims: ClaimSeries,
+        tracker: LeaseTracker | None,
+        attempt: int,
+        holder: str | None,
+        held: float,
+    ) -> Verdict:
+        """A unit's newest claim: ours in this life is kept; an earlier life's is taken
+        over at once; another node's once its owner is gone (module docstring), judged by
+        ``tracker`` (None: the first pass, which leaves others' claims to the trailing one)."""
+        if claims.key_of(attempt) in self._mine:
+            return WAIT  # being loaded by this node
         if holder == self.learner:
-            return True  # an earlier life of this learner
-        lease = tracker.known().get(holder)
-        first = watched.setdefault(key, self.clock())
-        return abandoned(
-            held=self.clock() - first,
-            live=tracker.is_live(holder),
-            lease_timeout=self.lease_timeout,
-            leaving=lease is not None and lease.leaving,
-        )
+            return NEXT  # an earlier life of this learner
+        if tracker is None:
+            return WAIT
+        return judged(tracker, holder, held, leaving=True)
 
     # the I/O loop: lease and done markers
 
@@ -535,42 +544,16 @@ def _parse_reclaim(key: str) -> tuple[str, int]:
 class SharedQueue(Iterator[B]):
     """Iterate the batches of the units this node wins; see the module docstring.
 
-    Built by :func:`shared_queue`. Iterating starts the background threads; iteration ends
-    when every unit of the run is done. A context manager: leaving the ``with`` block (or
-    :meth:`close`) stops early and lets other nodes take over this node's unfinished units.
+    Built by :func:`shared_queue` (which checks its arguments). Iterating starts the
+    background threads; iteration ends when every unit of the run is done. A context
+    manager: leaving the ``with`` block (or :meth:`close`) stops early and lets other nodes
+    take over this node's unfinished units.
     """
 
-    def __init__(
-        self,
-        units: Iterable[str],
-        *,
-        mailbox: Mailbox,
-        learner_id: str,
-        load: Callable[[str], Iterable[B]],
-        prefetch: int = 4,
-        poll_interval: float = 1.0,
-        lease_timeout: float = 15.0,
-    ) -> None:
-        if not isinstance(mailbox, Mailbox):
-            raise TypeError(f"mailbox must implement gm.Mailbox, not {type(mailbox).__name__}")
-        if isinstance(units, str | bytes):
-            raise TypeError("units must be an iterable of unit IDs, not a single string")
-        if not callable(load):
-            raise TypeError(f"load must be callable, not {type(load).__name__}")
-        learner = check_learner_id(learner_id)
-        ids = tuple(check_segment(unit, "unit ID", room=_UNIT_ROOM) for unit in units)
-        seen: set[str] = set()
-        for unit in ids:
-            if unit in seen:
-                raise ValueError(f"unit ID {unit!r} appears twice; unit IDs must be unique")
-            seen.add(unit)
-        poll = check_seconds(poll_interval, "poll_interval")
-        lease = check_seconds(lease_timeout, "lease_timeout")
-        self.units: tuple[str, ...] = ids
-        self.learner_id = learner
-        self._worker: _Worker[B] = _Worker(
-            ids, mailbox, learner, load, check_count(prefetch, "prefetch"), poll, lease
-        )
+    def __init__(self, units: tuple[str, ...], learner_id: str, worker: _Worker[B]) -> None:
+        self.units: tuple[str, ...] = units
+        self.learner_id = learner_id
+        self._worker = worker
         self._started = False
         self._ended = False
         self._finalizer = weakref.finalize(self, self._worker.shutdown)
@@ -635,12 +618,8 @@ class SharedQueue(Iterator[B]):
     def __enter__(self) -> SharedQueue[B]:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
+        """Leaving the ``with`` block, however, stops early (:meth:`close`)."""
         self.close()
 
 
@@ -664,12 +643,22 @@ def shared_queue(
     mailbox error, or an exception from ``load``, ends the iteration after the buffered
     batches. Nothing touches the mailbox before the first ``next()``.
     """
-    return SharedQueue(
-        units,
-        mailbox=mailbox,
-        learner_id=learner_id,
-        load=load,
-        prefetch=prefetch,
-        poll_interval=poll_interval,
-        lease_timeout=lease_timeout,
+    if not isinstance(mailbox, Mailbox):
+        raise TypeError(f"mailbox must implement gm.Mailbox, not {type(mailbox).__name__}")
+    if isinstance(units, str | bytes):
+        raise TypeError("units must be an iterable of unit IDs, not a single string")
+    if not callable(load):
+        raise TypeError(f"load must be callable, not {type(load).__name__}")
+    learner = check_learner_id(learner_id)
+    ids = tuple(check_segment(unit, "unit ID", room=_UNIT_ROOM) for unit in units)
+    seen: set[str] = set()
+    for unit in ids:
+        if unit in seen:
+            raise ValueError(f"unit ID {unit!r} appears twice; unit IDs must be unique")
+        seen.add(unit)
+    poll = check_seconds(poll_interval, "poll_interval")
+    lease = check_seconds(lease_timeout, "lease_timeout")
+    worker: _Worker[B] = _Worker(
+        ids, mailbox, learner, load, check_count(prefetch, "prefetch"), poll, lease
     )
+    return SharedQueue(ids, learner, worker)

@@ -9,30 +9,7 @@
 - ``_malloc.py``: capping glibc's arenas, so threads do not each keep freed parts.
 """
 
-from gradientmail.payload.transfer import (
-    PART_BYTES,
-    Encoded,
-    blob_keys,
-    can_send,
-    decode,
-    encode,
-    encode_payload,
-    get_tensors,
-    payload_key,
-    put_tensors,
-    stored_key,
-)
+from gradientmail.payload import transfer
+from gradientmail.payload.transfer import *  # noqa: F403 (the names of transfer.__all__)
 
-__all__ = [
-    "PART_BYTES",
-    "Encoded",
-    "blob_keys",
-    "can_send",
-    "decode",
-    "encode",
-    "encode_payload",
-    "get_tensors",
-    "payload_key",
-    "put_tensors",
-    "stored_key",
-]
+__all__ = transfer.__all__

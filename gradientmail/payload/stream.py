@@ -30,7 +30,7 @@ from functools import partial
 import torch
 
 from gradientmail.coord.retry import retrying
-from gradientmail.errors import PayloadCorrupt, ProtocolError
+from gradientmail.errors import ObjectMissing, PayloadCorrupt, ProtocolError
 from gradientmail.ledger import DOWNLOAD, LEDGER
 from gradientmail.mailbox import Mailbox
 from gradientmail.payload._format import MAX_HEADER, Entry, entries, view_of
@@ -61,7 +61,7 @@ async def _get(box: Mailbox, key: str, of: str | None, stop: threading.Event | N
     data = await retrying(partial(box.get, key), stop=stop)
     if data is None:
         what = f"{of}: its part {key}" if of else key
-        raise ProtocolError(
+        raise ObjectMissing(
             f"{what}: the payload is missing (swept, or written to a different store)"
         )
     return data

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from gradientmail.errors import PayloadCorrupt, ProtocolError
+from gradientmail.errors import ObjectMissing, PayloadCorrupt, ProtocolError
 from gradientmail.ledger import DOWNLOAD, ENCODE, LEDGER
 from gradientmail.mailbox import Mailbox
 from gradientmail.payload._format import MAX_HEADER, NAMES, entries, memory_of, view_of
@@ -61,7 +61,9 @@ __all__ = [
     "encode",
     "encode_payload",
     "get_tensors",
+    "payload_key",
     "put_tensors",
+    "stored_key",
 ]
 
 PART_BYTES = 16 * 1024 * 1024
@@ -207,7 +209,7 @@ async def stored_key(box: Mailbox, tensors: Mapping[str, torch.Tensor], stored: 
     if is_parts_key(stored):
         data = await box.get(stored)
         if data is None:
-            raise ProtocolError(f"{stored}: the payload is missing (swept, or another store)")
+            raise ObjectMissing(f"{stored}: the payload is missing (swept, or another store)")
         part_bytes = parse_index(stored, data)[0]["size"]
     return await asyncio.to_thread(payload_key, tensors, part_bytes)
 
@@ -461,7 +463,7 @@ async def _get(box: Mailbox, key: str, of: str | None = None) -> bytes:
     data = await box.get(key)
     if data is None:
         what = f"{of}: its part {key}" if of else key
-        raise ProtocolError(
+        raise ObjectMissing(
             f"{what}: the payload is missing (swept, or written to a different store)"
         )
     return data

@@ -1,14 +1,17 @@
 """The learner: :class:`Session` (joins a run and trains in it) and :func:`align`.
 
 - ``session.py``: :class:`Session`: its settings, joining, and its public surface
-  (``step``, ``sync``, ``close``, counters);
-- ``_training.py``: the training-thread side, mixed into the Session (sync points, bounded
-  waits, contributions at close/sync, applying staged commits);
-- ``_background.py``: the communication thread (publish, lease, close) and the syncer
-  (poll, download, stage), mixed into the Session;
-- ``_state.py``: the records handed between threads and the small pure rules of the loops;
-- ``_resume.py``: resume saves (``optimizer=``), mixed into the Session: the optimizer's
-  state and the counters stored every few sync points and loaded when the learner restarts;
+  (``step``, ``sync``, ``close``, counters); it composes the pieces below and ONE exchange
+  (``engine/exchange.py``), chosen once from the algorithm (``engine/exchanges.py``);
+- ``_state.py``: :class:`Shared`, the state the threads share (the hand-off, the one
+  staging path, counters, events, wakes), and the small pure rules of the loops;
+- ``_training.py``: :class:`TrainingLoop`, the training-thread side (step count and sync
+  schedule, sync points, bounded waits, contributions at close/sync, applying staged
+  commits);
+- ``_comm.py``: :class:`Communication`, the background threads: the communication loop
+  (publish through the exchange, lease, close) and the syncer (the exchange's poll);
+- ``_resume.py``: :class:`Resume`, resume saves (``optimizer=``): the optimizer's state
+  and the counters stored every few sync points and loaded when the learner restarts;
   ``_optstate.py``: an optimizer's ``state_dict()`` as tagged JSON and tensors (no pickle);
 - ``_align.py``: :func:`align`, the newest commits into a model without joining.
 """

@@ -1,4 +1,5 @@
-"""Resuming a restarted learner (mixed into Session): its optimizer's state and counters.
+"""Resuming a restarted learner (a component of the Session): its optimizer's state and
+counters.
 
 A learner that restarts gets the run's newest parameters at its join, but its optimizer
 state (Adam's moments, SGD's momentum) and its counts lived in its process. With
@@ -34,20 +35,19 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
 
 import torch
 
 from gradientmail import wire as p
-from gradientmail.algorithms.compression import Compression
 from gradientmail.coord.retry import Stopped, retrying
 from gradientmail.coord.sweep import sweep_resume
 from gradientmail.coord.threads import Wake, run_coroutine
 from gradientmail.engine.layout import ModelLayout
 from gradientmail.errors import PayloadCorrupt, ProtocolError
-from gradientmail.events import Counters, Event, PollFailed, Resumed, ResumeFailed, ResumeSaved
+from gradientmail.events import PollFailed, Resumed, ResumeFailed, ResumeSaved
 from gradientmail.mailbox import Mailbox
 from gradientmail.payload import get_tensors, put_tensors
 from gradientmail.session._optstate import (
@@ -57,7 +57,8 @@ from gradientmail.session._optstate import (
     differences,
     encode_state,
 )
-from gradientmail.session._state import _Pending
+from gradientmail.session._state import Shared
+from gradientmail.session._training import TrainingLoop
 from gradientmail.wire.keys import parse_resume_key, resume_key, resume_prefix
 from gradientmail.wire.resume import ResumeState, decode_resume
 
@@ -77,35 +78,25 @@ class _Save:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-class _Resuming:
-    """The Session's resume saves and restore; its state is set up by :meth:`_setup_resume`
-    (the Session's constructor)."""
+class Resume:
+    """A learner's resume saves and restore (module docstring): its optimizer, the state its
+    threads share, and the training loop whose counters it saves and restores."""
 
-    learner_id: str
-    close_timeout: float
-    _box: Mailbox
-    _lock: threading.Lock
-    _stop: threading.Event
-    _counters: Counters
-    _steps: int
-    _samples: int
-    _start_step: int
-    _counted: list[int]
-    _contributed_at: list[int]
-    _applied: list[int]
-    _inflight: dict[int, _Pending]
-    _fragments: int
-    _layout: ModelLayout
-    _compression: tuple[Compression, float] | None
-    _residual: list[dict[str, torch.Tensor] | None]
-
-    _emit: Callable[[Event], None]  # the Session's (its background side defines it)
-
-    def _setup_resume(
-        self, optimizer: torch.optim.Optimizer | None, every: int | None, model: torch.nn.Module
+    def __init__(
+        self,
+        shared: Shared,
+        training: TrainingLoop,
+        box: Mailbox,
+        layout: ModelLayout,
+        optimizer: torch.optim.Optimizer | None,
+        every: int | None,
+        *,
+        model: torch.nn.Module,
+        compressing: bool,
+        close_timeout: float,
     ) -> None:
-        """Check ``optimizer`` (the model's, storable) and set the state up; everything is
-        checked before anything is written."""
+        """Check ``optimizer`` (the model's, storable); everything is checked before
+        anything is written."""
         if optimizer is not None:
             if not isinstance(optimizer, torch.optim.Optimizer):
                 raise TypeError(
@@ -116,57 +107,58 @@ class _Resuming:
                 raise ValueError("optimizer: it optimizes parameters that are not the model's")
             encode_state(optimizer.state_dict(), copy=False)  # TypeError: cannot be stored
         if every is None:
-            every = 10 * self._fragments
+            every = 10 * layout.count
         if type(every) is not int or every < 1:
             raise ValueError(f"optimizer_every must be an int >= 1 (sync points), not {every!r}")
-        self._optimizer = optimizer
-        self.optimizer_every = every
+        self.shared, self.training, self.box, self.layout = shared, training, box, layout
+        self.optimizer, self.every = optimizer, every
+        self.compressing, self.close_timeout = compressing, close_timeout
         self._sync_points_seen = 0  # this life's sync points in step(), for optimizer_every
         self._next_save = 0  # the number of the next save (a restart numbers on)
         self._saved_step = 0  # the step of the newest state stored or restored
         self._save_waiting: _Save | None = None  # the copy the upload task stores next
-        self._wake_save = Wake()
+        self.wake = Wake()
 
     # -- saving ------------------------------------------------------------------------------
 
-    def _resume_point(self) -> None:
+    def point(self) -> None:
         """At each sync point of ``step()`` (training thread): every ``optimizer_every``-th,
         copy the state and hand it to the upload task."""
         self._sync_points_seen += 1
-        if self._sync_points_seen % self.optimizer_every:
+        if self._sync_points_seen % self.every:
             return
         save = self._capture()
-        with self._lock:
+        with self.shared.lock:
             self._save_waiting = save  # an older one not yet uploaded is dropped
-        self._wake_save.set()
+        self.wake.set()
 
     def _capture(self) -> _Save:
-        assert self._optimizer is not None
-        with self._lock:
-            c = self._counters
+        assert self.optimizer is not None
+        with self.shared.lock:
+            c = self.shared.counters
             # Only the sync points settled by now: a contribution still in flight (overlap)
             # has no outcome yet, and a restart would never learn it.
-            inflight = list(self._inflight.values())
+            inflight = list(self.shared.inflight.values())
             settled = c.sync_points - len(inflight)
             published = c.published - sum(1 for x in inflight if x.payload is not None)
             skipped, waited = c.skipped_syncs, c.waited_s
-        kind, groups = describe(self._optimizer)
-        tagged, tensors = encode_state(self._optimizer.state_dict())
+        kind, groups = describe(self.optimizer)
+        tagged, tensors = encode_state(self.optimizer.state_dict())
         number = self._next_save
-        key = resume_key(self.learner_id, number)
+        key = resume_key(self.shared.learner_id, number)
         self._next_save += 1
         tensors[RESUME_ID] = torch.tensor(list(key.encode()), dtype=torch.uint8)
         # A compressing algorithm's error feedback (what this learner has not sent yet):
         # replaced, never changed in place, when a commit is applied on this thread.
-        for fragment, residual in enumerate(self._residual):
+        for fragment, residual in enumerate(self.shared.residual):
             for name, tensor in (residual or {}).items():
                 tensors[f"{_FEEDBACK}{fragment}/{name}"] = tensor
         record = ResumeState(
-            learner=self.learner_id,
+            learner=self.shared.learner_id,
             save=number,
-            step=self._steps,
-            samples=self._samples,
-            rounds=tuple(self._applied),
+            step=self.training.steps,
+            samples=self.training.samples,
+            rounds=tuple(self.training.applied),
             optimizer=kind,
             groups=groups,
             state=tagged,
@@ -179,23 +171,25 @@ class _Resuming:
         )
         return _Save(key, record, tensors)
 
-    async def _resume_uploads(self) -> None:
+    async def uploads(self) -> None:
         """The communication thread's task: store each copy handed over, until stopped (a
         store in progress then finishes, or gives up at its first failure)."""
-        while not self._stop.is_set():
-            with self._lock:
+        while not self.shared.stop.is_set():
+            with self.shared.lock:
                 save, self._save_waiting = self._save_waiting, None
             if save is None:
-                await self._wake_save.wait(_UPLOAD_TICK)
-                self._wake_save.consume()
+                await self.wake.wait(_UPLOAD_TICK)
+                self.wake.consume()
                 continue
             try:
-                await self._store_save(save, stop=self._stop)
+                await self._store_save(save, stop=self.shared.stop)
             except Stopped:
                 return
             except Exception as exc:  # the next save tries again; training goes on
-                self._emit(
-                    PollFailed(self.learner_id, error=f"storing resume save {save.key}: {exc!r}")
+                self.shared.emit(
+                    PollFailed(
+                        self.shared.learner_id, error=f"storing resume save {save.key}: {exc!r}"
+                    )
                 )
 
     async def _store_save(
@@ -203,53 +197,57 @@ class _Resuming:
     ) -> None:
         """The payload, then the record naming it, then the sweep of older saves."""
         payload, nbytes = await retrying(
-            partial(put_tensors, self._box, save.tensors), stop=stop, deadline=deadline
+            partial(put_tensors, self.box, save.tensors), stop=stop, deadline=deadline
         )
         save.tensors = {}  # encoded and stored: the copies go
         record = replace(save.record, payload=payload, nbytes=nbytes)
         # Created once; a retried write that finds it is this learner's own earlier one (a
         # learner id is one process at a time, and numbers only grow).
         await retrying(
-            partial(self._box.put_if_absent, save.key, p.encode(record)),
+            partial(self.box.put_if_absent, save.key, p.encode(record)),
             stop=stop,
             deadline=deadline,
         )
-        with self._lock:
+        with self.shared.lock:
             self._saved_step = max(self._saved_step, record.step)
-        self._emit(ResumeSaved(self.learner_id, key=save.key, step=record.step, nbytes=nbytes))
+        self.shared.emit(
+            ResumeSaved(self.shared.learner_id, key=save.key, step=record.step, nbytes=nbytes)
+        )
         try:
-            await sweep_resume(self._box, save.key, payload)
+            await sweep_resume(self.box, save.key, payload)
         except Stopped:
             raise
         except Exception as exc:  # housekeeping: the next save's sweep takes them too
-            self._emit(PollFailed(self.learner_id, error=f"sweeping resume saves: {exc!r}"))
+            self.shared.emit(
+                PollFailed(self.shared.learner_id, error=f"sweeping resume saves: {exc!r}")
+            )
 
-    def _save_at_close(self) -> None:
+    def at_close(self) -> None:
         """``close()``, the threads stopped: store the state now, unless the newest stored
         one is already at this step. A failure is reported, never raised: the run's
         parameters are committed, only a restart's optimizer state is older."""
-        if self._optimizer is None or self._steps == self._saved_step:
+        if self.optimizer is None or self.training.steps == self._saved_step:
             return
         save = self._capture()
         deadline = time.monotonic() + self.close_timeout
         try:
             run_coroutine(self._store_save(save, deadline=deadline))
         except Exception as exc:
-            self._emit(
-                PollFailed(self.learner_id, error=f"storing resume save {save.key}: {exc!r}")
+            self.shared.emit(
+                PollFailed(self.shared.learner_id, error=f"storing resume save {save.key}: {exc!r}")
             )
 
     # -- restoring ---------------------------------------------------------------------------
 
-    async def _restore(self, deadline: float) -> None:
+    async def restore(self, deadline: float) -> None:
         """At join, before the first beat: load the newest save into the optimizer and the
         counters. ``ValueError`` when the optimizer does not match it; a save that cannot be
         read is reported and the learner starts fresh."""
-        if self._optimizer is None:
+        if self.optimizer is None:
             return
         saves = []
         listing = await retrying(
-            partial(self._box.list, resume_prefix(self.learner_id)), deadline=deadline
+            partial(self.box.list, resume_prefix(self.shared.learner_id)), deadline=deadline
         )
         for key in listing:
             try:
@@ -261,23 +259,23 @@ class _Resuming:
         number, key = max(saves)
         self._next_save = number + 1
         try:
-            data = await retrying(partial(self._box.get, key), deadline=deadline)
+            data = await retrying(partial(self.box.get, key), deadline=deadline)
             record = decode_resume(key, data)
         except ProtocolError as exc:
             self._resume_failed(key, exc)
             return
         # A readable save of another optimizer is the caller's mistake, not damage: raised,
         # before anything is downloaded or loaded.
-        found = differences(record.optimizer, record.groups, self._optimizer)
+        found = differences(record.optimizer, record.groups, self.optimizer)
         if found:
             raise ValueError(
-                f"learner {self.learner_id}: its saved optimizer state ({key}) does not fit "
+                f"learner {self.shared.learner_id}: its saved optimizer state ({key}) does not fit "
                 f"this optimizer: {'; '.join(found)}. Pass the optimizer it was saved from, "
                 "or another learner_id to start fresh"
             )
         try:
             tensors = await retrying(
-                partial(get_tensors, self._box, record.payload), deadline=deadline
+                partial(get_tensors, self.box, record.payload), deadline=deadline
             )
             named = tensors.get(RESUME_ID, torch.empty(0, dtype=torch.uint8))
             if bytes(named.tolist()) != key.encode():
@@ -286,27 +284,21 @@ class _Resuming:
             state = decode_state(key, record.state, optimizer_tensors)
             # Whole or not at all: load_state_dict builds the new state before it sets it,
             # and raises (ValueError, KeyError...) on a state that contradicts the record.
-            self._optimizer.load_state_dict(state)
+            self.optimizer.load_state_dict(state)
         except (ProtocolError, ValueError, KeyError, TypeError, IndexError) as exc:
             self._resume_failed(key, exc)
             return
         self._apply_counters(record)
         self._restore_feedback(key, tensors)
-        self._emit(
-            Resumed(
-                self.learner_id,
-                key=key,
-                step=record.step,
-                samples=record.samples,
-                rounds=record.rounds,
-            )
-        )
+        step, samples, rounds = record.step, record.samples, record.rounds
+        resumed = Resumed(self.shared.learner_id, key, step, samples, rounds)
+        self.shared.emit(resumed)
 
     def _restore_feedback(self, key: str, tensors: Mapping[str, torch.Tensor]) -> None:
         """The error feedback a save holds, per fragment, when it fits this model's layout
         (a fragment's whole, of its parameters' sizes); else that fragment starts from zero,
         with a warning: a save from a run with other settings."""
-        if self._compression is None:
+        if not self.compressing:
             return
         found: dict[int, dict[str, torch.Tensor]] = {}
         for name, tensor in tensors.items():
@@ -315,19 +307,19 @@ class _Resuming:
                 if number.isdigit():
                     found.setdefault(int(number), {})[param] = tensor
         for fragment, residual in found.items():
-            specs = self._layout.specs[fragment] if fragment < self._fragments else ()
+            specs = self.layout.specs[fragment] if fragment < self.layout.count else ()
             wanted = {spec.name: math.prod(spec.shape) for spec in specs if spec.kind == p.PARAM}
             sizes = {name: t.numel() for name, t in residual.items()}
             if sizes != wanted or any(t.dtype != torch.float32 for t in residual.values()):
                 _log.warning(
                     "%s: %s holds error feedback for fragment %d that does not fit this "
                     "model; it starts from zero",
-                    self.learner_id,
+                    self.shared.learner_id,
                     key,
                     fragment,
                 )
                 continue
-            self._residual[fragment] = {
+            self.shared.residual[fragment] = {
                 name: t.reshape(shape=(-1,)).clone() for name, t in residual.items()
             }
 
@@ -336,18 +328,13 @@ class _Resuming:
         kind = "corrupt" if isinstance(exc, PayloadCorrupt) else "unreadable"
         reason = str(exc) if isinstance(exc, ProtocolError) else f"{key}: {exc!r}"
         error = f"{kind}, starting fresh: {reason}"
-        self._emit(ResumeFailed(self.learner_id, key=key, error=error))
+        self.shared.emit(ResumeFailed(self.shared.learner_id, key=key, error=error))
 
     def _apply_counters(self, record: ResumeState) -> None:
-        """The counts continue from the save; the sync schedule starts from the join's
-        commits all the same (``_start_step``: see ``Session.step``)."""
-        with self._lock:
-            self._steps = self._start_step = self._saved_step = record.step
-            self._samples = record.samples
-            # Every sample so far counts as contributed: the next contribution of each
-            # fragment carries this life's samples only.
-            self._counted = [record.samples] * self._fragments
-            self._contributed_at = [record.step] * self._fragments
-            c = self._counters
+        """The counts continue from the save."""
+        with self.shared.lock:
+            self.training.resumed(record.step, record.samples)
+            self._saved_step = record.step
+            c = self.shared.counters
             c.sync_points, c.published = record.sync_points, record.contributed
             c.skipped_syncs, c.waited_s = record.skipped, record.waited_s

@@ -1,23 +1,32 @@
-"""A learner's records between its threads, and the small pure rules of its loops.
+"""What a learner's threads share, and the small pure rules of their loops.
 
-``_Pending`` is a contribution handed from the training thread to the communication
-thread; ``_Staged`` a verified commit handed from the background threads back to the
-training thread (at most one per fragment: a newer one merges the older).
+:class:`Shared` is the state the training thread, the communication thread and the syncer
+share, passed to each explicitly (it is the exchange's :class:`~gradientmail.engine.
+exchange.Host`): the hand-off (``inflight``, ``outbox``: :class:`~gradientmail.engine.
+exchange.Pending` contributions to the communication thread), the ONE staging path
+(:meth:`Shared.stage`: ``_Staged`` commits back to the training thread, at most one per
+fragment, a newer one merging the older), the counters, the events, and the wakes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import socket
-import time
+import threading
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from gradientmail import wire as p
+from gradientmail.coord.threads import Wake
+from gradientmail.engine.exchange import Counter, Pending, mine_of
 from gradientmail.events import (
+    Counters,
     Event,
     GroupMissed,
     Joined,
@@ -53,32 +62,6 @@ def _default_learner_id() -> str:
     return p.check_learner_id(f"{host[:100]}-{os.getpid()}")
 
 
-@dataclass(eq=False)
-class _Pending:
-    """A contribution from the training thread: fragment copy, samples, round."""
-
-    round: int
-    fragment: int
-    base: int
-    snapshot: dict[str, torch.Tensor]
-    base_params: dict[str, torch.Tensor]
-    samples: int
-    step: int  # the local step at which it was handed over
-    handed_at: float = field(default_factory=time.monotonic)  # when (the sync point)
-    # Training thread only: a wait for its commit gave up; the next wait for it is at the
-    # fragment's next sync point, not at every step until then.
-    gave_up: bool = False
-    payload: str | None = None
-    published_at: float | None = None
-    cancelled: bool = False
-    # A compressing algorithm's (algorithms/contribution.py), set by the communication
-    # thread when it encodes: the payload's tensors (a closer sums its own from these), and
-    # the error feedback this learner keeps once the contribution is in a commit.
-    compressed: dict[str, torch.Tensor] | None = None
-    residual: dict[str, torch.Tensor] | None = None
-    group: str | None = None  # Moshpit: the group it was published to (round: its round)
-
-
 @dataclass(frozen=True)
 class _Staged:
     commit: p.Commit
@@ -90,6 +73,75 @@ class _Staged:
         this learner's contributions: applying the newest alone is enough, its parameters
         are complete, but the anchor of the rebase depends on whether we contributed."""
         return replace(self, mine=self.mine | older.mine)
+
+
+@dataclass(eq=False)
+class Shared:
+    """The state a Session's threads share (module docstring); ``lock`` guards what more
+    than one thread touches."""
+
+    learner_id: str
+    fragments: int
+    on_event: Callable[[Event], None] | None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    changed: threading.Event = field(default_factory=threading.Event)  # a commit staged
+    stop: threading.Event = field(default_factory=threading.Event)
+    counters: Counters = field(default_factory=Counters)
+    events: deque[Event] = field(default_factory=lambda: deque(maxlen=1000))
+    inflight: dict[int, Pending] = field(default_factory=dict)  # fragment -> contribution
+    outbox: deque[Pending] = field(default_factory=deque)  # handed over, not yet published
+    staged: dict[int, _Staged] = field(default_factory=dict)
+    # Per fragment: the newest commit seen or staged, the parameters of the one applied
+    # (the reference), a compressing algorithm's error feedback (replaced when a commit
+    # holding this learner's contribution is applied).
+    known: list[int] = field(default_factory=list)
+    ref: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    residual: list[dict[str, torch.Tensor] | None] = field(default_factory=list)
+    waiting_since: float | None = None  # when a wait of the training thread began
+    wake_sync: Wake = field(default_factory=Wake)  # published or committed: look for commits
+    wake_comm: Wake = field(default_factory=Wake)  # step() handed a fragment over
+    wake_beat: Wake = field(default_factory=Wake)  # a contribution was published: beat now
+
+    def __post_init__(self) -> None:
+        n = self.fragments
+        self.known, self.ref, self.residual = [0] * n, [{} for _ in range(n)], [None] * n
+
+    def emit(self, event: Event) -> None:
+        with self.lock:
+            self.events.append(event)
+        self.changed.set()
+        _log_event(event)
+        if self.on_event is not None:
+            with contextlib.suppress(Exception):  # a broken callback must not stop the session
+                self.on_event(event)
+
+    def count(self, counter: Counter) -> None:
+        with self.lock:
+            setattr(self.counters, counter, getattr(self.counters, counter) + 1)
+
+    def stage(
+        self,
+        commit: p.Commit,
+        params: dict[str, torch.Tensor],
+        mine: frozenset[tuple[int, str]] | None = None,
+    ) -> bool:
+        """Hand a verified commit to the training thread; False when it is not newer than
+        what is already known for its fragment (found meanwhile by the other thread)."""
+        fragment = commit.fragment
+        if mine is None:
+            mine = mine_of([commit], self.learner_id)
+        item = _Staged(commit, params, mine)
+        with self.lock:
+            if commit.round <= self.known[fragment]:
+                return False
+            older = self.staged.get(fragment)
+            self.staged[fragment] = item if older is None else item.merged(older)
+            self.known[fragment] = commit.round
+        self.changed.set()
+        return True
+
+    def wake_syncer(self) -> None:
+        self.wake_sync.set()
 
 
 def _log_event(event: Event) -> None:

@@ -5,11 +5,18 @@ matches it, then loads the newest commit of every fragment into the model. Two b
 threads follow, each with its own event loop and one shared mailbox:
 
 - the *communication* thread publishes contributions, renews the lease (a task of its own,
-  so a long transfer never starves it), and closes rounds this learner contributed to
-  (``engine/closer.py``); a round it closes is staged for the training thread at once;
+  so a long transfer never starves it), and closes rounds this learner contributed to; a
+  round it closes is staged for the training thread at once;
 - the *syncer* polls ``rounds/`` for new commits, verifies them and stages them, record by
   record and fragment by fragment, so one bad record or one failed download holds back
   nothing else.
+
+How a round is exchanged is ONE :class:`~gradientmail.engine.exchange.Exchange`, chosen
+once from the algorithm (``engine/exchanges.py``): the Session composes it with a
+:class:`~gradientmail.session._training.TrainingLoop` (the training thread), a
+:class:`~gradientmail.session._comm.Communication` (the background threads), a
+:class:`~gradientmail.session._resume.Resume` and the state they share
+(:class:`~gradientmail.session._state.Shared`).
 
 The training thread calls :meth:`Session.step`: it applies staged commits to the model (so
 parameters never change under a running optimizer step; no lock is needed) and, when a
@@ -23,7 +30,7 @@ behaviour for who wants it: a sync point whose fragment is still in flight is sk
 (``SyncSkipped``), never waited for.
 
 With ``algorithm=gm.Moshpit(...)`` the same loop averages in small groups instead of
-run-wide rounds (``session/_groups.py``, ``engine/groups.py``): the communication thread
+run-wide rounds (``engine/exchange_groups.py``, ``engine/groups.py``): the communication thread
 publishes to this learner's group of the next group round, closes the group or waits for
 its closer, and stages the group's average; there is no syncer thread (a group commit is
 this learner's own business, nobody else's commits are applied).
@@ -32,50 +39,123 @@ this learner's own business, nobody else's commits are applied).
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import replace
-from types import TracebackType
+from dataclasses import dataclass, replace
 
 import torch
 
 from gradientmail import wire as p
 from gradientmail.algorithms.base import Algorithm
 from gradientmail.algorithms.contribution import compression_of
-from gradientmail.algorithms.moshpit import Moshpit
 from gradientmail.coord.heartbeat import Heartbeat
 from gradientmail.coord.leases import LeaseTracker, beating
-from gradientmail.coord.threads import Wake, run_coroutine
-from gradientmail.engine.closer import RoundCloser
-from gradientmail.engine.groups import GroupRounds, download_average, newest_group_round
-from gradientmail.engine.join import establish, load_newest
+from gradientmail.coord.threads import run_coroutine
+from gradientmail.engine.align import load_newest
+from gradientmail.engine.exchange import ExchangeContext
+from gradientmail.engine.exchanges import exchange_for
+from gradientmail.engine.join import establish
 from gradientmail.engine.layout import ModelLayout
 from gradientmail.errors import ProtocolError
-from gradientmail.events import (
-    Counters,
-    Event,
-    Joined,
-    Left,
-    PollFailed,
-)
-from gradientmail.ledger import GLOBAL, SNAPSHOTS
+from gradientmail.events import Counters, Event, Joined, Left, PollFailed
+from gradientmail.ledger import GLOBAL
 from gradientmail.mailbox import Mailbox
 from gradientmail.mailbox.metered import Metered
 from gradientmail.payload._malloc import share_arenas
 from gradientmail.payload.buffers import BufferPool
-from gradientmail.session._groups import _GroupSide
-from gradientmail.session._resume import _Resuming
-from gradientmail.session._state import _default_learner_id, _Pending, _Staged
-from gradientmail.session._training import _NEVER, _TrainingSide
+from gradientmail.session._comm import Communication
+from gradientmail.session._resume import Resume
+from gradientmail.session._state import Shared, _default_learner_id
+from gradientmail.session._training import TrainingLoop
 
 __all__ = ["Session"]
 
 _log = logging.getLogger("gradientmail")
 
 
-class Session(_TrainingSide, _GroupSide, _Resuming):
+@dataclass(frozen=True)
+class _Timeouts:
+    """A Session's waits, in seconds, validated (``_timeouts``)."""
+
+    round: float
+    poll: float
+    idle_poll: float
+    lease: float
+    join: float
+    close: float
+    wait: float
+    claim: float
+
+
+def _timeouts(
+    round_timeout: float,
+    poll_interval: float,
+    idle_poll_interval: float,
+    lease_timeout: float,
+    join_timeout: float,
+    close_timeout: float,
+    wait_timeout: float | None,
+    claim_timeout: float | None,
+) -> _Timeouts:
+    if claim_timeout is None:
+        claim_timeout = round_timeout + lease_timeout
+    if wait_timeout is None:
+        wait_timeout = round_timeout + 3 * lease_timeout
+    for name, value in (
+        ("round_timeout", round_timeout),
+        ("poll_interval", poll_interval),
+        ("idle_poll_interval", idle_poll_interval),
+        ("lease_timeout", lease_timeout),
+        ("join_timeout", join_timeout),
+        ("close_timeout", close_timeout),
+        ("wait_timeout", wait_timeout),
+        ("claim_timeout", claim_timeout),
+    ):
+        if not isinstance(value, int | float) or value <= 0:
+            raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
+    return _Timeouts(
+        round=float(round_timeout),
+        poll=float(poll_interval),
+        idle_poll=max(float(idle_poll_interval), float(poll_interval)),
+        lease=float(lease_timeout),
+        join=float(join_timeout),
+        close=float(close_timeout),
+        wait=float(wait_timeout),
+        claim=float(claim_timeout),
+    )
+
+
+def _check_settings(
+    algorithm: Algorithm,
+    mailbox: Mailbox,
+    quorum_size: int,
+    overlap: int,
+    mixing: float | None,
+    free_running: bool,
+    keep_rounds: int,
+) -> None:
+    if not isinstance(algorithm, Algorithm):
+        raise TypeError(
+            f"algorithm must be a gm.Algorithm such as gm.DiLoCo, not {type(algorithm).__name__}"
+        )
+    if not isinstance(mailbox, Mailbox):
+        raise TypeError(f"mailbox must implement gm.Mailbox, not {type(mailbox).__name__}")
+    if not isinstance(quorum_size, int) or quorum_size < 1:
+        raise ValueError(f"quorum_size must be an int >= 1, not {quorum_size!r}")
+    if type(overlap) is not int or overlap < 0:
+        raise ValueError(f"overlap must be an int >= 0 (inner steps), not {overlap!r}")
+    if mixing is not None and (
+        not isinstance(mixing, int | float) or isinstance(mixing, bool) or not 0 <= mixing < 1
+    ):
+        raise ValueError(f"mixing must be None or a number in [0, 1), not {mixing!r}")
+    if not isinstance(free_running, bool):
+        raise ValueError(f"free_running must be a bool, not {free_running!r}")
+    if not isinstance(keep_rounds, int) or keep_rounds < 1:
+        raise ValueError(f"keep_rounds must be an int >= 1, not {keep_rounds!r}")
+
+
+class Session:
     """Join a run as ``learner_id`` and train ``model`` in it.
 
     ``overlap``: how many local steps a contribution's commit may be applied late (0: exact
@@ -139,164 +219,103 @@ class Session(_TrainingSide, _GroupSide, _Resuming):
         optimizer_every: int | None = None,
     ) -> None:
         # Everything is validated before anything is written.
-        if not isinstance(algorithm, Algorithm):
-            raise TypeError(
-                "algorithm must be a gm.Algorithm such as gm.DiLoCo, not "
-                f"{type(algorithm).__name__}"
-            )
-        if not isinstance(mailbox, Mailbox):
-            raise TypeError(f"mailbox must implement gm.Mailbox, not {type(mailbox).__name__}")
+        _check_settings(algorithm, mailbox, quorum_size, overlap, mixing, free_running, keep_rounds)
         self.learner_id = (
             _default_learner_id() if learner_id is None else p.check_learner_id(learner_id)
         )
-        if not isinstance(quorum_size, int) or quorum_size < 1:
-            raise ValueError(f"quorum_size must be an int >= 1, not {quorum_size!r}")
-        if type(overlap) is not int or overlap < 0:
-            raise ValueError(f"overlap must be an int >= 0 (inner steps), not {overlap!r}")
-        if mixing is not None and (
-            not isinstance(mixing, int | float) or isinstance(mixing, bool) or not 0 <= mixing < 1
-        ):
-            raise ValueError(f"mixing must be None or a number in [0, 1), not {mixing!r}")
-        if not isinstance(free_running, bool):
-            raise ValueError(f"free_running must be a bool, not {free_running!r}")
-        if claim_timeout is None:
-            claim_timeout = round_timeout + lease_timeout
-        if wait_timeout is None:
-            wait_timeout = round_timeout + 3 * lease_timeout
-        for name, value in (
-            ("round_timeout", round_timeout),
-            ("poll_interval", poll_interval),
-            ("idle_poll_interval", idle_poll_interval),
-            ("lease_timeout", lease_timeout),
-            ("join_timeout", join_timeout),
-            ("close_timeout", close_timeout),
-            ("wait_timeout", wait_timeout),
-            ("claim_timeout", claim_timeout),
-        ):
-            if not isinstance(value, int | float) or value <= 0:
-                raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
-        if not isinstance(keep_rounds, int) or keep_rounds < 1:
-            raise ValueError(f"keep_rounds must be an int >= 1, not {keep_rounds!r}")
+        times = _timeouts(
+            round_timeout,
+            poll_interval,
+            idle_poll_interval,
+            lease_timeout,
+            join_timeout,
+            close_timeout,
+            wait_timeout,
+            claim_timeout,
+        )
+        # Launched by `gradientmail run` or the operator, the run's settings are the node
+        # environment's, whatever the script built. Checked before anything is read or
+        # written: a creator would otherwise write its own settings into the manifest, and
+        # every node built from the run would then be refused. (launch/ builds Sessions,
+        # so it sits above this package: imported here, when a Session is made.)
+        from gradientmail.launch.env import launched_differences
+
+        launched = launched_differences(self.learner_id, algorithm.settings())
+        if launched:
+            raise ProtocolError(
+                "this node's algorithm is not the one it was launched with (build it with "
+                "gm.NodeEnv.from_environ().build_algorithm(), or env.session(model)): "
+                + "; ".join(launched)
+            )
 
         share_arenas()  # before this Session's threads start (payload/_malloc.py)
         self.algorithm = algorithm
         self.model = model
-        self._layout = ModelLayout(model, algorithm)
-        self._fragments = self._layout.count
-        self._setup_resume(optimizer, optimizer_every, model)
         self.overlap = overlap
         self.mixing = None if mixing is None else float(mixing)
         self.free_running = free_running
-        self.poll_interval = float(poll_interval)
-        self.idle_poll_interval = max(float(idle_poll_interval), self.poll_interval)
-        self.close_timeout = float(close_timeout)
-        self.wait_timeout = float(wait_timeout)
-        self._on_event = on_event
-        self._lock = threading.Lock()
-        self._changed = threading.Event()
-        self._stop = threading.Event()
-        self._counters = Counters()
-        self.events: deque[Event] = deque(maxlen=1000)
-        self._box = Metered(mailbox, self._counters, self._lock)
-        # The closer's events wait until its commit is staged: a slow on_event must not
-        # delay the hand-over of the new parameters (the syncer would download them).
-        self._closer_events: list[Event] = []
-        # Fragment copies handed to the communication thread, and commit parameters (a
-        # closer's sums, the syncer's downloads: both become the reference): each pool
-        # keeps one released buffer for reuse, whatever the number of fragments.
-        self._snapshots = BufferPool(SNAPSHOTS)
-        self._globals = BufferPool(GLOBAL)
-        self._tracker = LeaseTracker(lease_timeout)
-        self._closer = RoundCloser(
-            self._box,
+        self.poll_interval = times.poll
+        self.idle_poll_interval = times.idle_poll
+        self.close_timeout = times.close
+        self.wait_timeout = times.wait
+        self._layout = ModelLayout(model, algorithm)
+        self._shared = shared = Shared(self.learner_id, self._layout.count, on_event)
+        self.events: deque[Event] = shared.events
+        self._training = TrainingLoop(
+            shared,
             self._layout,
             algorithm,
-            self.learner_id,
-            self._tracker,
-            quorum_size=quorum_size,
-            round_timeout=round_timeout,
-            keep_rounds=keep_rounds,
-            claim_timeout=float(claim_timeout),
-            emit=self._closer_events.append,
-            global_pool=self._globals,
+            overlap=overlap,
+            mixing=self.mixing,
+            free_running=free_running,
+            wait_timeout=self.wait_timeout,
         )
-
-        # A Moshpit run averages in small groups (engine/groups.py), not in run-wide rounds.
-        self._groups = (
-            GroupRounds(
-                self._box,
-                self._layout,
-                algorithm,
-                self.learner_id,
-                self._tracker,
-                round_timeout=round_timeout,
-                claim_timeout=float(claim_timeout),
+        self._box = Metered(mailbox, shared.counters, shared.lock)
+        self._resume = Resume(
+            shared,
+            self._training,
+            self._box,
+            self._layout,
+            optimizer,
+            optimizer_every,
+            model=model,
+            compressing=compression_of(algorithm) is not None,
+            close_timeout=self.close_timeout,
+        )
+        self.optimizer_every = self._resume.every
+        self._tracker = LeaseTracker(times.lease)
+        # Commit parameters (a closer's sums, the syncer's downloads: both become the
+        # reference): the pool keeps one released buffer for reuse.
+        self._exchange = exchange_for(
+            ExchangeContext(
+                host=shared,
+                box=self._box,
+                layout=self._layout,
+                algorithm=algorithm,
+                tracker=self._tracker,
+                global_pool=BufferPool(GLOBAL),
+                quorum_size=quorum_size,
+                round_timeout=times.round,
+                claim_timeout=times.claim,
                 keep_rounds=keep_rounds,
             )
-            if isinstance(algorithm, Moshpit)
-            else None
         )
-
-        # Training-thread state (the lock guards what the background threads also touch).
-        self._steps = 0
-        self._start_step = 0  # the step count this life starts from (a resume's, or 0)
-        self._samples = 0
-        # Samples counted when each fragment last contributed (the next one carries the rest).
-        self._counted = [0] * self._fragments
-        self._contributed_at = [0] * self._fragments  # local step of each one's last
-        # Local step (mod sync_every) -> the fragment due then: one lookup per step().
-        self._due = {self.algorithm.offset(f): f for f in range(self._fragments)}
-        # The local step at which step() must next wait for an in-flight commit (overlap).
-        self._wait_at = _NEVER
-        self._phase = 0  # added to the step count for the schedule (see _schedule_phase)
-        self._waiting_since: float | None = None  # when a wait in progress began
-        self._applied = [0] * self._fragments
-        self._ref: list[dict[str, torch.Tensor]] = [{} for _ in range(self._fragments)]
-        self._inflight: dict[int, _Pending] = {}
-        self._outbox: deque[_Pending] = deque()
-        # At most one staged commit per fragment: a newer one replaces (merges) the older,
-        # so memory stays bounded however long step() is not called.
-        self._staged: dict[int, _Staged] = {}
-        # A compressing algorithm's error feedback, per fragment (algorithms/contribution.py):
-        # replaced when a commit holding this learner's contribution is applied.
-        self._compression = compression_of(algorithm)
-        self._residual: list[dict[str, torch.Tensor] | None] = [None] * self._fragments
-        # Stateless compressed rounds (SparseLoCo) are computed from their contributions
-        # by a learner that has the previous commit: it downloads no dense parameters.
-        self._delta_downloads = self._compression is not None and not any(
-            algorithm.state_specs(specs) for specs in self._layout.specs
-        )
-        self._last_commit: list[tuple[int, dict[str, torch.Tensor]]] = [
-            (0, {}) for _ in range(self._fragments)
-        ]
-        self._known = [0] * self._fragments  # newest commit per fragment seen or staged
-        self._bad: set[str] = set()  # round records reported unreadable (reported once)
         self._heartbeat = Heartbeat(
-            self._box, p.LEASES, self.learner_id, self._beat_record, lease_timeout / 3
+            self._box, p.LEASES, self.learner_id, self._beat_record, times.lease / 3
         )
-        self._wake_sync = Wake()  # this learner published or committed: look for commits
-        self._wake_comm = Wake()  # step() handed a fragment over
-        self._wake_beat = Wake()  # a contribution was published: beat its counters now
         self._closed = False
 
-        self.creator = run_coroutine(self._join(float(join_timeout)))
-        self._threads = [
-            threading.Thread(
-                target=self._thread_main,
-                args=(self._communicate,),
-                name=f"gm-comm-{self.learner_id}",
-                daemon=True,
-            ),
-        ]
-        if self._groups is None:  # a Moshpit learner's group commits come to its comm thread
-            self._threads.append(
-                threading.Thread(
-                    target=self._thread_main,
-                    args=(self._sync,),
-                    name=f"gm-sync-{self.learner_id}",
-                    daemon=True,
-                )
-            )
+        self.creator = run_coroutine(self._join(times.join))
+        self._threads = Communication(
+            shared,
+            self._exchange,
+            self._box,
+            self._tracker,
+            self._heartbeat,
+            self._resume,
+            poll_interval=self.poll_interval,
+            idle_poll_interval=self.idle_poll_interval,
+        ).threads()
         for thread in self._threads:
             thread.start()
 
@@ -315,24 +334,8 @@ class Session(_TrainingSide, _GroupSide, _Resuming):
             raise ValueError(f"step(samples={samples!r}): samples must be an int >= 1")
         if self._closed:
             raise RuntimeError("step() on a closed Session")
-        if self._staged:
-            self._apply_staged()
-        if self._steps == self._start_step:
-            # The first step: commits that landed since the join are applied now; start
-            # the schedule from them (see _schedule_phase), whatever count a resume
-            # continues from.
-            phase = self._schedule_phase(dict(enumerate(self._applied)))
-            self._phase = (phase - self._start_step) % self.algorithm.sync_every
-        self._steps += 1
-        self._samples += samples
-        if self._steps >= self._wait_at:
-            self._wait_due()
-        fragment = self._due.get((self._steps + self._phase) % self.algorithm.sync_every)
-        if fragment is None:
-            return
-        self._sync_point(fragment)
-        if self._optimizer is not None:
-            self._resume_point()
+        if self._training.step(samples) and self._resume.optimizer is not None:
+            self._resume.point()
 
     def sync(self, timeout: float | None = None) -> tuple[int, ...]:
         """Contribute every fragment's steps since its last contribution now, and wait
@@ -345,7 +348,7 @@ class Session(_TrainingSide, _GroupSide, _Resuming):
         if self._closed:
             raise RuntimeError("sync() on a closed Session")
         limit = self.wait_timeout if timeout is None else float(timeout)
-        waiting = self._contribute_all(time.monotonic() + limit)
+        waiting = self._training.contribute_all(time.monotonic() + limit)
         if waiting:
             raise TimeoutError(
                 f"Session.sync(): rounds {waiting} of learner {self.learner_id} were not "
@@ -360,15 +363,15 @@ class Session(_TrainingSide, _GroupSide, _Resuming):
             return
         limit = self.close_timeout if timeout is None else timeout
         try:
-            waiting = self._contribute_all(time.monotonic() + limit)
+            waiting = self._training.contribute_all(time.monotonic() + limit)
         finally:
             self._closed = True
-            self._stop.set()
+            self._shared.stop.set()
             for thread in self._threads:
                 thread.join(timeout=60)
-        self._save_at_close()
+        self._resume.at_close()
         self._leave()
-        self._emit(Left(self.learner_id, clean=not waiting))
+        self._shared.emit(Left(self.learner_id, clean=not waiting))
         if waiting:
             raise TimeoutError(
                 f"Session.close(): rounds {waiting} of learner {self.learner_id} did not "
@@ -378,12 +381,7 @@ class Session(_TrainingSide, _GroupSide, _Resuming):
     def __enter__(self) -> Session:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
         if exc is not None:
             # Training failed: leave without contributing (or waiting for) its last steps.
             self._abandon()
@@ -392,8 +390,8 @@ class Session(_TrainingSide, _GroupSide, _Resuming):
 
     def counters(self) -> Counters:
         """A copy of the traffic and progress counters."""
-        with self._lock:
-            c = self._counters
+        with self._shared.lock:
+            c = self._shared.counters
             return replace(
                 c,
                 requests=dict(c.requests),
@@ -403,25 +401,23 @@ class Session(_TrainingSide, _GroupSide, _Resuming):
 
     @property
     def steps(self) -> int:
-        return self._steps
+        return self._training.steps
 
     @property
     def rounds(self) -> tuple[int, ...]:
         """The round of the commit currently applied, per fragment."""
-        return tuple(self._applied)
-
-    # -- the training-thread side ------------------------------------------------------------
+        return tuple(self._training.applied)
 
     def _abandon(self) -> None:
         """Leave at once (training raised): stop the threads and write the leaving beat."""
         if self._closed:
             return
         self._closed = True
-        self._stop.set()
+        self._shared.stop.set()
         for thread in self._threads:
             thread.join(timeout=60)
         self._leave()
-        self._emit(Left(self.learner_id, clean=False))
+        self._shared.emit(Left(self.learner_id, clean=False))
 
     # -- joining -----------------------------------------------------------------------------
 
@@ -439,7 +435,7 @@ class Session(_TrainingSide, _GroupSide, _Resuming):
         # A restarted learner's optimizer state and counters (Session(optimizer=...)): before
         # its first beat, which carries the counts; a mismatched optimizer raises before
         # this learner ever looks live.
-        await self._restore(deadline)
+        await self._resume.restore(deadline)
         # Live first, then load: from its first beat the others wait for this learner in
         # their rounds, so few commits can land between the load below and its first
         # contribution (which goes to the round the others are in: the schedule's phase
@@ -450,32 +446,10 @@ class Session(_TrainingSide, _GroupSide, _Resuming):
         rounds, tensors = await load_newest(
             self._box, self._layout, deadline, algorithm=self.algorithm
         )
-        if self._groups is not None:
-            await self._join_groups(tensors, rounds)
-        for fragment, values in tensors.items():
-            self._layout.load(fragment, values)
-            self._ref[fragment] = values
-            self._applied[fragment] = self._known[fragment] = rounds[fragment]
-            if self._delta_downloads:
-                self._last_commit[fragment] = (rounds[fragment], values)
-        self._emit(Joined(self.learner_id, creator=creator, rounds=tuple(self._applied)))
+        await self._exchange.joined(rounds, tensors)  # its place; a Moshpit joiner's model
+        self._training.joined(rounds, tensors)
+        self._shared.emit(Joined(self.learner_id, creator=creator, rounds=self.rounds))
         return creator
-
-    async def _join_groups(
-        self, tensors: dict[int, dict[str, torch.Tensor]], rounds: dict[int, int]
-    ) -> None:
-        """A Moshpit learner's slot, and the model it starts from: the average of the
-        newest group round's commits when the run has any (a late joiner), else the initial
-        commit. Its group rounds continue from that round."""
-        groups = self._groups
-        assert groups is not None
-        assert isinstance(self.algorithm, Moshpit)
-        await groups.join()
-        commits = await newest_group_round(self._box)
-        if not commits:
-            return
-        tensors[0] = await download_average(self._box, self.algorithm, self._layout, commits)
-        rounds[0] = groups.last_round = commits[0].round
 
     async def _check_not_live(self, deadline: float) -> None:
         """Refuse a learner id that another process is beating as right now; an earlier life
@@ -496,15 +470,16 @@ class Session(_TrainingSide, _GroupSide, _Resuming):
 
     def _beat_record(self, leaving: bool) -> bytes:
         """A beat carries this learner's counters (``gradientmail status`` shows them)."""
-        with self._lock:
-            c = self._counters
+        shared, training = self._shared, self._training
+        with shared.lock:
+            c = shared.counters
             waited = c.waited_s
-            if self._waiting_since is not None:  # a wait in progress counts too
-                waited += time.monotonic() - self._waiting_since
+            if shared.waiting_since is not None:  # a wait in progress counts too
+                waited += time.monotonic() - shared.waiting_since
             beat = p.Beat(
                 self.learner_id,
-                self._steps,
-                self._samples,
+                training.steps,
+                training.samples,
                 leaving,
                 sync_points=c.sync_points,
                 contributed=c.published,
@@ -519,4 +494,4 @@ class Session(_TrainingSide, _GroupSide, _Resuming):
         try:
             run_coroutine(self._heartbeat.leave(deadline=time.monotonic() + 30))
         except Exception as exc:  # the lease will lapse on its own
-            self._emit(PollFailed(self.learner_id, error=f"leaving beat: {exc!r}"))
+            self._shared.emit(PollFailed(self.learner_id, error=f"leaving beat: {exc!r}"))

@@ -4,44 +4,14 @@
   framework-free ``check_*`` functions it is made of).
 - ``faults.py``: fault injectors that wrap any mailbox (:class:`FaultyMailbox`,
   :class:`SlowMailbox`) and a deliberately broken store (:class:`CheckThenWriteMailbox`).
+- ``reference.py``: the whole-tensor reference of a round (``combine``, ``weighted_sum``)
+  that the streamed closer must match bit for bit; it imports torch, so this package
+  does not import it.
 """
 
-from gradientmail.testing.contract import (
-    MailboxContract,
-    check_byte_order_listing,
-    check_create_once,
-    check_create_once_race_processes,
-    check_create_once_race_threads,
-    check_delete_idempotent,
-    check_get_missing,
-    check_list_after,
-    check_lost_response_retry,
-    check_many_event_loops,
-    check_read_after_write,
-    check_whole_objects,
-)
-from gradientmail.testing.faults import (
-    CheckThenWriteMailbox,
-    FaultyMailbox,
-    Injection,
-    SlowMailbox,
-)
+from gradientmail.testing import contract, faults
+from gradientmail.testing.contract import *  # noqa: F403 (the names of contract.__all__)
+from gradientmail.testing.faults import *  # noqa: F403 (the names of faults.__all__)
 
-__all__ = [
-    "CheckThenWriteMailbox",
-    "FaultyMailbox",
-    "Injection",
-    "MailboxContract",
-    "SlowMailbox",
-    "check_byte_order_listing",
-    "check_create_once",
-    "check_create_once_race_processes",
-    "check_create_once_race_threads",
-    "check_delete_idempotent",
-    "check_get_missing",
-    "check_list_after",
-    "check_lost_response_retry",
-    "check_many_event_loops",
-    "check_read_after_write",
-    "check_whole_objects",
-]
+# ``ordering_keys`` is the suite's own helper, not a public test helper.
+__all__ = sorted({*contract.__all__, *faults.__all__} - {"ordering_keys"})

@@ -9,7 +9,7 @@ import json
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from gradientmail.errors import ProtocolError
+from gradientmail.errors import ObjectMissing, ProtocolError
 from gradientmail.wire.keys import (
     FORMAT_VERSION,
     GROUP_ROUNDS,
@@ -45,7 +45,7 @@ class _Reader:
     def __init__(self, key: str, data: bytes | None) -> None:
         self.key = key
         if data is None:
-            raise ProtocolError(f"{key}: the object is missing")
+            raise ObjectMissing(f"{key}: the object is missing")
         try:
             value = json.loads(data)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:

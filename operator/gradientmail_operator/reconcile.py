@@ -32,7 +32,7 @@ class Phase(StrEnum):
 
 
 class Reason(StrEnum):
-    """Condition and event reasons a user can look up in the README's troubleshooting."""
+    """Condition and event reasons a user can look up in docs/operator.md's troubleshooting."""
 
     PODS_READY = "PodsReady"
     PODS_STARTING = "PodsStarting"

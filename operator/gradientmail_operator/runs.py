@@ -5,7 +5,7 @@ the operator), so a pass runs in tests without a cluster.
 - :class:`RunState` is what the operator remembers of a run between passes: the event that
   wakes its loop, its observer, the pods it created or deleted that the watch has not
   shown yet, the warnings already posted and the status it last wrote.
-- :func:`run_conditions` is the table of phase × conditions (README, "Conditions").
+- :func:`run_conditions` is the table of phase × conditions (docs/operator.md).
 - :func:`reconcile_pass` does one pass and returns the status fields that changed.
 """
 
@@ -77,7 +77,7 @@ def run_conditions(
     observation: Observation | None,
     spec_error: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Every condition, consistent with ``phase`` (the README's table): Complete is True iff
+    """Every condition, consistent with ``phase`` (docs/operator.md's table): Complete is True iff
     the phase is Succeeded, Failed iff Failed, SpecValid False iff Invalid, Progressing True
     only while Running and rounds commit. ``pods``: the plan's reason and message."""
     c = list(existing)

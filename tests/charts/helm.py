@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from tests.kube.binaries import helm_path
+from testbed.kube.binaries import helm_path
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "gradientmail-operator"

@@ -1,7 +1,7 @@
 """The chart installed with the real helm into the Kubernetes stand-in, its operator
 Deployment run by the local kubelet, and the example run trained to Succeeded.
 
-What the stand-in lacks, and what these tests do about it (``tests/kube/__init__.py``):
+What the stand-in lacks, and what these tests do about it (``testbed/kube/__init__.py``):
 
 - no Deployment controller: the test creates the operator pod from the installed
   Deployment's pod template, unchanged (command, args, env, probes' port);
@@ -30,14 +30,14 @@ import requests
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from testbed.audit import AuditingApiServer
+from testbed.kube import fixtures
+from testbed.kube.fixtures import KubeCluster, start_cluster
+from testbed.rbac import ANY_NAMESPACE, CLUSTER_SCOPED, Rbac, Request, required
+from testbed.s3env import S3Target, ensure_bucket
 from tests.charts import helm
-from tests.charts.audit import AuditingApiServer
 from tests.charts.helm import CHART, NAMESPACE, RELEASE, ROOT
-from tests.charts.rbac import ANY_NAMESPACE, CLUSTER_SCOPED, Rbac, Request, required
 from tests.conftest import S3_TARGETS
-from tests.kube import fixtures
-from tests.kube.fixtures import KubeCluster, start_cluster
-from tests.s3env import S3Target, ensure_bucket
 from tests.support.waiting import TEST_TIMEOUT, wait_until
 
 EXAMPLES = ROOT / "manifests" / "examples"

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from gradientmail_operator import kube
+from testbed.rbac import ANY_NAMESPACE, Rbac, Request, required
 from tests.charts import helm
 from tests.charts.helm import NAMESPACE, find
-from tests.charts.rbac import ANY_NAMESPACE, Rbac, Request, required
 
 MODES = {
     "cluster-wide": [],

@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -179,6 +180,13 @@ def test_status_align_verify_sweep_rm(mailbox: gm.Mailbox, tmp_path: Path) -> No
     assert f"MISMATCH round {victim.round}: {key}: its parameters" in tampered.stderr
     replace_object(mailbox, key, original)
 
+    # What verify advises after a sweep (keep_rounds >= the longest fragment's commits)
+    # keeps every commit checkable: a sweep with that many deletes no commit's inputs.
+    per_fragment = [sum(1 for c in history if c.round % 2 == f) for f in (0, 1)]
+    enough = cli("sweep", url, "--keep-rounds", str(max(per_fragment)), "--yes")
+    assert enough.returncode == 0, enough.stderr
+    assert verify_counts(cli("verify", url).stdout) == (len(history), len(history), 0, 0)
+
     before = count(mailbox)
     refused = cli("sweep", url, stdin="n\n")
     assert refused.returncode == 1
@@ -200,6 +208,15 @@ def test_status_align_verify_sweep_rm(mailbox: gm.Mailbox, tmp_path: Path) -> No
         after.stdout
     )
     assert SWEPT_HINT in " ".join(after.stdout.split())
+    # It says what is checkable and how to keep every commit so: a run this long needs
+    # keep_rounds of its longest fragment's commit count.
+    advice = " ".join(after.stdout.split())
+    verified = len(verifiable_after_sweep(history))
+    assert f"checkable: {verified} of {len(history)} commits" in advice
+    assert f"gradientmail verify {shlex.quote(readable_url(url))}` while the run goes" in advice
+    assert f"keep_rounds >= {max(per_fragment)} (Session(keep_rounds={max(per_fragment)}))" in (
+        advice
+    )
 
     kept = cli("rm", url, stdin="\n")
     assert kept.returncode == 1

@@ -30,9 +30,9 @@ from gradientmail.cli._common import (
 from gradientmail.cli.table import NodeRow, render_run, view_json
 from gradientmail.inspect import RunView, RunWatcher
 from gradientmail.mailbox.url import open_mailbox
+from testbed.stub_s3 import Reply, closed_port, stub_s3
 from tests.cli.test_cli import cli
 from tests.inspect.test_inspect import Run
-from tests.stub_s3 import Reply, closed_port, stub_s3
 
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y"}
 

@@ -181,7 +181,7 @@ def test_a_session_abandoned_without_leaving_is_rejoined() -> None:
     """A real earlier life whose threads stopped (killed) before its leaving beat."""
     box = gm.MemoryMailbox()
     dead = gm.Session(_model(), algorithm=ALGORITHM, mailbox=box, learner_id="a", lease_timeout=0.6)
-    dead._stop.set()  # what a SIGKILL leaves: no more beats, no leaving beat
+    dead._shared.stop.set()  # what a SIGKILL leaves: no more beats, no leaving beat
     for thread in dead._threads:
         thread.join(timeout=TEST_TIMEOUT)
     before = _beats(box, "a")
@@ -316,7 +316,7 @@ def test_run_yaml_records_the_command_the_user_typed(tmp_path: Path) -> None:
     template = resource["spec"]["template"]
     assert template["command"] == ["python", "-c", "print('hello')"]
     assert template["args"] == []
-    assert "gradientmail.node" not in text
+    assert "gradientmail.demo.node" not in text
     # The file is a spec `gradientmail run -f` takes, and it runs the same command.
     replay = cli("run", "-f", workdir / "run.yaml", "--workdir", tmp_path / "replay", timeout=120)
     assert replay.returncode == 0, replay.stdout + replay.stderr

@@ -29,7 +29,7 @@ import torch
 import gradientmail as gm
 from gradientmail import wire as p
 from gradientmail.cli import main
-from gradientmail.cli._report import curve_notes, run_algorithm
+from gradientmail.demo.report import curve_notes, run_algorithm
 from gradientmail.events import Counters
 from gradientmail.inspect import GroupsView, RunView, RunWatcher, inspect_run
 from gradientmail.mailbox.metered import Metered
@@ -267,7 +267,7 @@ def test_align_writes_the_average_of_the_newest_group_commits(
 ) -> None:
     from safetensors import safe_open
 
-    from gradientmail.engine.groups import describe_alignment
+    from gradientmail.engine.align import describe_alignment
 
     target = tmp_path / "model.safetensors"
     status, stdout, stderr = gm_cli(capsys, "align", run.url, "--out", target)

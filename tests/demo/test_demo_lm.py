@@ -1,10 +1,10 @@
 """The main job: ``gradientmail run`` with the built-in node's language model.
 
-The pieces first (the PNG writer, the sparkline, the node's settings, the parsing of a
-node's validation lines), then one short real run of the LM task: two nodes, 20 steps of a
-tiny model (``GRADIENTMAIL_LM``), which must end with the aligned model's loss recorded
-and below the initial model's, the PNG in the run folder, and generated text printed.
-Structure only, never timing.
+The pieces first (the PNG, drawn by matplotlib and by the fallback writer, the sparkline,
+the node's settings, the parsing of a node's validation lines), then one short real run of
+the LM task: two nodes, 20 steps of a tiny model (``GRADIENTMAIL_LM``), which must end
+with the aligned model's loss recorded and below the initial model's, the PNG in the run
+folder, and generated text printed. Structure only, never timing.
 """
 
 from __future__ import annotations
@@ -18,18 +18,17 @@ from pathlib import Path
 import pytest
 
 from gradientmail.cli._nodes import Node
-from gradientmail.cli._report import (
+from gradientmail.demo.node import LmSettings, task_of
+from gradientmail.demo.plot import draw_png, plot_png, png_bytes
+from gradientmail.demo.report import (
     ALIGNED_COLOR,
     GLYPHS,
     NODE_COLOR,
     PROMPTS,
     binned,
-    plot_png,
-    png_bytes,
     sparkline,
 )
 from gradientmail.launch.env import NodeEnv, NodeEnvError
-from gradientmail.node import LmSettings, task_of
 from tests.cli.test_cli import cli
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -78,19 +77,64 @@ def test_png_bytes_is_a_valid_png_of_the_given_pixels() -> None:
         png_bytes(3, 2, rows[:1])
 
 
-def test_plot_png_draws_each_curve_in_its_colour(tmp_path: Path) -> None:
+ALIGNED = [(0.0, 5.5), (10.0, 3.0), (20.0, 2.5), (30.0, 2.2)]
+NODE = [(0.0, 5.5), (12.0, 3.4), (31.0, 2.4)]
+
+
+def test_the_fallback_draws_each_curve_in_its_colour(tmp_path: Path) -> None:
+    """Without matplotlib: the standard-library drawing."""
     path = tmp_path / "loss.png"
-    aligned = [(0.0, 5.5), (10.0, 3.0), (20.0, 2.5), (30.0, 2.2)]
-    node = [(0.0, 5.5), (12.0, 3.4), (31.0, 2.4)]
-    plot_png(path, [(aligned, ALIGNED_COLOR), (node, NODE_COLOR)], width=200, height=120)
+    draw_png(path, [(ALIGNED, ALIGNED_COLOR), (NODE, NODE_COLOR)], width=200, height=120)
     width, height, rows = png_pixels(path.read_bytes())
     assert (width, height) == (200, 120)
     colours = {bytes(row[3 * x : 3 * x + 3]) for row in rows for x in range(width)}
     assert {bytes(ALIGNED_COLOR), bytes(NODE_COLOR), b"\xff\xff\xff"} <= colours
     assert rows[0][:3] == b"\xff\xff\xff"  # the margin stays white
     # No points at all: axes only, still a valid image.
-    plot_png(path, [([], ALIGNED_COLOR)], width=50, height=40)
+    draw_png(path, [([], ALIGNED_COLOR)], width=50, height=40)
     assert png_pixels(path.read_bytes())[:2] == (50, 40)
+
+
+def _near(pixel: tuple[int, ...], color: tuple[int, int, int]) -> bool:
+    return all(abs(a - b) <= 8 for a, b in zip(pixel[:3], color, strict=True))
+
+
+def test_plot_png_draws_each_curve_in_its_colour(tmp_path: Path) -> None:
+    """With matplotlib installed (the dev install has it): its drawing, of the size asked,
+    each curve in its colour."""
+    pytest.importorskip("matplotlib")
+    image = pytest.importorskip("PIL.Image")
+    path = tmp_path / "loss.png"
+    series = [(ALIGNED, ALIGNED_COLOR, "aligned model"), (NODE, NODE_COLOR, "node 0")]
+    assert plot_png(path, series, width=320, height=200) == "matplotlib"
+    with image.open(path) as png:
+        assert png.size == (320, 200)
+        data = png.convert("RGB").tobytes()
+    pixels = [tuple(data[i : i + 3]) for i in range(0, len(data), 3)]
+    for color in (ALIGNED_COLOR, NODE_COLOR):
+        assert sum(_near(p, color) for p in pixels) > 50, color
+    assert pixels[0] == (255, 255, 255)
+    # No points at all: axes only, still an image.
+    assert plot_png(path, [([], ALIGNED_COLOR, "")], width=100, height=80) == "matplotlib"
+    with image.open(path) as png:
+        assert png.size == (100, 80)
+
+
+def test_plot_png_falls_back_without_matplotlib(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import raises ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)
+    path = tmp_path / "loss.png"
+    series = [(ALIGNED, ALIGNED_COLOR, "aligned model"), (NODE, NODE_COLOR, "node 0")]
+    assert plot_png(path, series, width=120, height=90) == "built-in"
+    width, height, rows = png_pixels(path.read_bytes())
+    assert (width, height) == (120, 90)
+    colours = {bytes(row[3 * x : 3 * x + 3]) for row in rows for x in range(width)}
+    assert {bytes(ALIGNED_COLOR), bytes(NODE_COLOR)} <= colours
 
 
 def test_sparkline_maps_values_to_glyphs() -> None:
@@ -177,8 +221,9 @@ def test_a_short_lm_run_reports_the_aligned_model(tmp_path: Path) -> None:
     assert aligned[-1][1] < own[0][1]  # trained: below the initial model, on the same windows
     assert [t for t, _ in aligned] == sorted(t for t, _ in aligned)
     assert set(record["rounds"]) == {"0", "1"}  # the newest commit of both fragments
-    width, height, _ = png_pixels((workdir / "loss.png").read_bytes())
-    assert (width, height) == (640, 360)
+    header = png_chunks((workdir / "loss.png").read_bytes())[0]
+    assert header[0] == b"IHDR"
+    assert struct.unpack(">II", header[1][:8]) == (640, 360)  # whoever drew it
     assert f"curves: {workdir / 'loss.png'}" in out
     assert "the aligned model continues each prompt" in out
     for prompt in PROMPTS:

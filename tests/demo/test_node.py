@@ -71,7 +71,7 @@ def test_builtin_nodes_train_together(tmp_path: Path) -> None:
         )
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "gradientmail.node"],
+                [sys.executable, "-m", "gradientmail.demo.node"],
                 env=base | env.to_environ() | {"GRADIENTMAIL_TASK": "synthetic"},
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -96,14 +96,17 @@ def test_builtin_nodes_train_together(tmp_path: Path) -> None:
     assert {x.learner for c in training for x in c.contributors} == {"node-0", "node-1"}
 
 
-def test_builtin_node_without_environment_says_what_is_missing() -> None:
+@pytest.mark.parametrize("module", ["gradientmail.demo.node", "gradientmail.node"])
+def test_builtin_node_without_environment_says_what_is_missing(module: str) -> None:
+    """The built-in node, and its old path (pods and images that still name it)."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("GRADIENTMAIL_")}
     done = subprocess.run(
-        [sys.executable, "-m", "gradientmail.node"],
+        [sys.executable, "-m", module],
         env=base,
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert done.returncode == 2
+    assert "gradientmail.demo.node: " in done.stderr
     assert "GRADIENTMAIL_MAILBOX is not set" in done.stderr

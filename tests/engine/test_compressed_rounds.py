@@ -203,7 +203,7 @@ def test_a_restarted_learner_gets_its_error_feedback_back() -> None:
         optimizer.step()
         session.step(samples=16)
     session.close()
-    kept = session._residual[0]
+    kept = session._shared.residual[0]
     assert kept is not None
     assert any(t.abs().sum() > 0 for t in kept.values())
     again_model = make_model(1)
@@ -215,7 +215,7 @@ def test_a_restarted_learner_gets_its_error_feedback_back() -> None:
         optimizer=torch.optim.SGD(again_model.parameters(), lr=0.05),
     )
     try:
-        restored = again._residual[0]
+        restored = again._shared.residual[0]
         assert restored is not None
         assert restored.keys() == kept.keys()
         for name, tensor in kept.items():
@@ -250,11 +250,11 @@ def test_status_shows_the_compression_and_the_bytes_moved() -> None:
     assert plain["traffic"]["dense_estimate"] is None
 
 
-def test_the_readme_compression_snippet_runs_as_printed() -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme.split("\n### Compression\n", 1)[1]
+def test_the_compression_page_snippet_runs_as_printed() -> None:
+    page = (Path(__file__).resolve().parents[2] / "docs" / "compression.md").read_text()
+    section = page.split("# Compression\n", 1)[1]
     match = re.search(r"```python\n(.*?)```", section, re.S)
-    assert match, "no python block in the README's Compression section"
+    assert match, "no python block in docs/compression.md"
     built: dict[str, object] = {"gm": gm}
     exec(match.group(1), built)
     assert built["algorithm"] == gm.DiLoCo(sync_every=100, compression=gm.Quantize(bits=8))

@@ -191,7 +191,7 @@ def test_fast_steps_against_a_slow_store_never_skip_a_sync_point(overlap: int) -
 
     def release_once_training_waits() -> None:
         try:
-            wait_until(lambda: session._waiting_since is not None, "training to wait")
+            wait_until(lambda: session._shared.waiting_since is not None, "training to wait")
         finally:
             box.released.set()
 
@@ -323,8 +323,8 @@ def test_staged_commits_stay_bounded_when_step_is_not_called() -> None:
                     r, 0, r - 1, (p.Contribution("x", 1, base.params),), base.params, None, "x"
                 ),
             )
-        wait_until(lambda: session._known[0] == 39, "the syncer saw every commit")
-        assert len(session._staged) <= 1
+        wait_until(lambda: session._shared.known[0] == 39, "the syncer saw every commit")
+        assert len(session._shared.staged) <= 1
         session.step()
         assert session.rounds == (39,)
     finally:
@@ -596,7 +596,7 @@ def test_a_learner_joining_mid_run_starts_with_the_fragment_whose_round_is_next(
         assert joiner.rounds == (4, 3)
         for _ in range(5):
             joiner.step()
-        pending = dict(joiner._inflight)
+        pending = dict(joiner._shared.inflight)
         assert list(pending) == [1]
         assert pending[1].round == 5
     finally:

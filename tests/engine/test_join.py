@@ -15,7 +15,8 @@ import torch
 
 import gradientmail as gm
 from gradientmail import wire as p
-from gradientmail.engine.join import establish, load_newest
+from gradientmail.engine.align import load_newest
+from gradientmail.engine.join import establish
 from gradientmail.engine.layout import ModelLayout
 from gradientmail.payload import put_tensors
 from gradientmail.testing import FaultyMailbox

@@ -92,8 +92,8 @@ def _run(
             sessions[i] = s
             joined.wait()
             # Slots go in join order: the learner's slot (its cell) names it from here on.
-            assert s._groups is not None
-            slot = s._groups.slot
+            assert s._exchange.groups is not None
+            slot = s._exchange.groups.slot
             assert slot is not None
             i = slot
             _fill(s.model, values[i])
@@ -452,8 +452,8 @@ def test_a_late_joiner_and_align_start_from_the_newest_group_round(
     ) as s:
         assert _value(joiner) == 1.5
         assert s.rounds == (1,)
-        assert s._groups is not None
-        assert s._groups.slot == 4  # the next free slot
+        assert s._exchange.groups is not None
+        assert s._exchange.groups.slot == 4  # the next free slot
 
 
 def test_align_loads_the_global_average_all_groups_share(
@@ -478,11 +478,11 @@ def test_overlap_keeps_the_local_progress_made_since_the_snapshot() -> None:
     assert all(c.wait_timeouts == 0 and c.missed_groups == 0 for c in counters.values())
 
 
-def test_the_readme_moshpit_snippet_runs_as_printed() -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme.split("\n### Moshpit: small groups instead of one closer\n", 1)[1]
+def test_the_moshpit_page_snippet_runs_as_printed() -> None:
+    page = (Path(__file__).resolve().parents[2] / "docs" / "moshpit.md").read_text()
+    section = page.split("# Moshpit: small groups instead of one closer\n", 1)[1]
     match = re.search(r"```python\n(.*?)```", section, re.S)
-    assert match, "no python block in the README's Moshpit section"
+    assert match, "no python block in docs/moshpit.md"
     built: dict[str, object] = {"gm": gm}
     exec(match.group(1), built)
     assert built["algorithm"] == gm.Moshpit(sync_every=100, group_size=4, grid_dims=2)

@@ -1,5 +1,5 @@
 """The emulator's fixtures for the tests in this folder (see ``fixtures.py``)."""
 
-from tests.kube.fixtures import kube_apiserver, kube_cluster
+from testbed.kube.fixtures import kube_apiserver, kube_cluster
 
 __all__ = ["kube_apiserver", "kube_cluster"]

@@ -12,17 +12,17 @@ from typing import Any
 
 import pytest
 
-from tests.kube.client import KubeApi, KubeApiError
-from tests.kube.fixtures import KubeCluster, start_cluster
-from tests.kube.patches import (
+from testbed.kube.client import KubeApi, KubeApiError
+from testbed.kube.fixtures import KubeCluster, start_cluster
+from testbed.kube.patches import (
     PatchError,
     PatchTestFailed,
     json_patch,
     merge_patch,
     strategic_merge_patch,
 )
-from tests.kube.selectors import FieldSelector, LabelSelector, SelectorError
-from tests.kube.tables import human_age, jsonpath
+from testbed.kube.selectors import FieldSelector, LabelSelector, SelectorError
+from testbed.kube.tables import human_age, jsonpath
 from tests.support.waiting import wait_until
 
 Obj = dict[str, Any]

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.kube.fixtures import KubeCluster
+from testbed.kube.fixtures import KubeCluster
+from testbed.processes import ManagedProcess, pid_alive
 from tests.kube.sample_operator import FINALIZER, LABEL
-from tests.support.processes import ManagedProcess, pid_alive
 from tests.support.waiting import wait_until
 
 HERE = Path(__file__).parent

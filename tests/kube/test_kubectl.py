@@ -10,8 +10,8 @@ from typing import Any
 
 import yaml
 
-from tests.kube.binaries import helm_path, kubectl_path
-from tests.kube.fixtures import REPO_ROOT, KubeCluster
+from testbed.kube.binaries import helm_path, kubectl_path
+from testbed.kube.fixtures import REPO_ROOT, KubeCluster
 from tests.support.waiting import wait_until
 
 HERE = Path(__file__).parent
@@ -259,7 +259,7 @@ def test_helm_install_upgrade_uninstall(kube_apiserver: KubeCluster, tmp_path: P
 
 
 def test_the_command_line_runs_a_command_against_a_fresh_cluster(tmp_path: Path) -> None:
-    base = [sys.executable, "-m", "tests.kube", "--workdir", str(tmp_path)]
+    base = [sys.executable, "-m", "testbed.kube", "--workdir", str(tmp_path)]
     kubectl = str(kubectl_path())
     listed = subprocess.run(
         [*base, "--", kubectl, "get", "namespaces"],

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from tests.kube.client import KubeApi, KubeApiError
-from tests.kube.fixtures import KubeCluster, start_cluster
-from tests.kube.kubelet import IMAGE_ENTRYPOINTS, image_repository
-from tests.support.processes import pid_alive
+from testbed.kube.client import KubeApi, KubeApiError
+from testbed.kube.fixtures import KubeCluster, start_cluster
+from testbed.kube.kubelet import IMAGE_ENTRYPOINTS, image_repository
+from testbed.processes import pid_alive
 from tests.support.waiting import wait_until
 
 Obj = dict[str, Any]

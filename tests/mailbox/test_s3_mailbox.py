@@ -10,8 +10,8 @@ import uuid
 import pytest
 
 import gradientmail as gm
-from tests.s3env import S3Target, remove_prefix
-from tests.stub_s3 import Reply, Request, closed_port, error_xml, stub_s3
+from testbed.s3env import S3Target, remove_prefix
+from testbed.stub_s3 import Reply, Request, closed_port, error_xml, stub_s3
 from tests.support.waiting import TEST_TIMEOUT
 
 

@@ -10,7 +10,7 @@ from gradientmail.launch.runspec import GradientMailRunSpec
 from gradientmail_operator.kube import Credentials
 from gradientmail_operator.observer import DISABLED, MailboxLoop, Observer
 from gradientmail_operator.reconcile import Reason
-from tests.stub_s3 import Reply, Request, error_xml, stub_s3
+from testbed.stub_s3 import Reply, Request, error_xml, stub_s3
 from tests.support.waiting import wait_until
 
 EMPTY_LISTING = (

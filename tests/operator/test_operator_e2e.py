@@ -14,10 +14,10 @@ import pytest
 
 import gradientmail as gm
 from gradientmail.inspect import RunWatcher
+from testbed.kube.fixtures import KubeCluster
+from testbed.s3env import S3Target, ensure_bucket
+from testbed.stub_s3 import Reply, closed_port, stub_s3
 from tests.conftest import S3_TARGETS
-from tests.kube.fixtures import KubeCluster
-from tests.s3env import S3Target, ensure_bucket
-from tests.stub_s3 import Reply, closed_port, stub_s3
 from tests.support.waiting import TEST_TIMEOUT, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -27,12 +27,13 @@ import torch
 
 import gradientmail as gm
 from gradientmail import wire as p
-from gradientmail.algorithms.base import accumulate, weighted_sum
+from gradientmail.algorithms.base import accumulate
 from gradientmail.engine.verify import verify_commit
 from gradientmail.ledger import DOWNLOAD, GLOBAL, LEDGER, MOMENTUM
 from gradientmail.payload import get_tensors, put_tensors, transfer
 from gradientmail.payload.buffers import BufferPool
 from gradientmail.payload.stream import WINDOW, read_into
+from gradientmail.testing.reference import weighted_sum
 from gradientmail.wire.parts import parse_index
 from tests.engine.test_closer_faults import Run, go
 

@@ -39,7 +39,7 @@ from gradientmail.algorithms import from_manifest
 from gradientmail.engine.chain import commit_tensors
 from gradientmail.inspect import LearnerView, RunWatcher
 from gradientmail.payload import get_tensors
-from tests.s3env import S3Target, remove_prefix, s3_targets
+from testbed.s3env import S3Target, remove_prefix, s3_targets
 from tests.support.waiting import TEST_TIMEOUT, wait_until
 from tests.training import sync_points
 

@@ -70,8 +70,8 @@ def test_two_learners_commit_verified_rounds(mailbox: gm.Mailbox) -> None:
     assert sum(ln.session.counters().closed for ln in learners if ln.session) == len(training)
     # Snapshot copies and the closers' new parameters reuse released buffers (and every
     # commit above verified: none was written while still in use).
-    assert all(ln.session and ln.session._snapshots.reused for ln in learners)
-    assert any(ln.session and ln.session._closer._params_out.reused for ln in learners)
+    assert all(ln.session and ln.session._training.snapshots.reused for ln in learners)
+    assert any(ln.session and ln.session._exchange.closer._params_out.reused for ln in learners)
 
 
 def test_every_node_starts_from_the_creators_parameters() -> None:

@@ -1,7 +1,7 @@
 """The fault suite: four learner processes train one model while a fault hits the run.
 
 Every case runs on the filesystem mailbox and on SeaweedFS (the server that
-``python -m tests.support.s3servers`` starts; the case is reported as skipped without it).
+``python -m testbed.s3servers`` starts; the case is reported as skipped without it).
 The learners are real processes (``tests/support/fault_learner.py``, forked by a fork
 server that imported torch once: four fresh interpreters importing torch took 10-20 s a
 test on a loaded 2-core machine), each training a tiny MLP with :class:`gm.Session`
@@ -74,8 +74,8 @@ try:  # the layered tree (wire/), else the flat one (protocol.py) of earlier com
     from gradientmail import wire as p
 except ImportError:
     from gradientmail import protocol as p  # type: ignore[no-redef]
-from tests.s3env import remove_prefix, s3_targets
-from tests.support.s3servers import DEFAULT_ACCESS_KEY, DEFAULT_SECRET_KEY, restartable_seaweedfs
+from testbed.s3env import remove_prefix, s3_targets
+from testbed.s3servers import DEFAULT_ACCESS_KEY, DEFAULT_SECRET_KEY, restartable_seaweedfs
 from tests.support.waiting import TEST_TIMEOUT, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -128,7 +128,7 @@ def _s3_url(endpoint: str, bucket: str, prefix: str) -> str:
             marks=pytest.mark.skipif(
                 SEAWEEDFS is None,
                 reason="no seaweedfs entry in GRADIENTMAIL_S3_ENDPOINT: run under "
-                "python -m tests.support.s3servers",
+                "python -m testbed.s3servers",
             ),
         ),
     ]
