@@ -23,7 +23,10 @@ Default sizes finish in a few minutes on a 2-core machine; ``--quick`` in under 
 ``--large`` covers the issue's full ranges (100M parameters, 8 learners). hivemind runs in a
 venv of its own (``python -m bench.hivemind_setup``; the suite creates it on first use and
 skips the hivemind reference, saying why, when it cannot). Shared code: ``_harness.py``
-(timing, tables, targets, JSON), ``_workload.py`` (models, the reference training step),
+(timing, tables, targets, JSON: the one report module), ``_procs.py`` (the one
+learner-process harness: spawned learners and their results, worker subprocesses, a fresh
+mailbox per configuration), ``_workload.py`` (models, the reference training step),
 ``_twoproc.py`` (two learner processes, for 4 and 5), ``hivemind_ref.py`` and
-``_hivemind_worker.py`` (the hivemind reference).
+``_hivemind_worker.py`` (the hivemind reference). ``quality_moshpit.py`` holds the quality
+benchmark's Moshpit arms (``quality --arms moshpit``).
 """

@@ -64,8 +64,10 @@ def run_suite(
     large: bool = False,
     options: dict[str, Any] | None = None,
     json_path: Path | None = None,
+    md_path: Path | None = None,
 ) -> int:
-    """Run ``names`` in suite order; print each report; write JSON to ``json_path``."""
+    """Run ``names`` in suite order; print each report; write JSON to ``json_path`` and the
+    reports' Markdown to ``md_path``."""
     info = h.machine()
     started = time.monotonic()
     preset = "quick" if quick else "large" if large else "default"
@@ -118,6 +120,11 @@ def run_suite(
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(record, indent=2, default=_json_default) + "\n")
         print(f"JSON: {json_path}")
+    if md_path is not None:
+        md_path.parent.mkdir(parents=True, exist_ok=True)
+        head = f"Machine: {h.describe(info)}; load average at the end {load_after}; {total:.0f} s"
+        md_path.write_text("\n\n".join([head, *(r.render() for r in reports)]) + "\n")
+        print(f"markdown: {md_path}")
     return 1 if any(r.error for r in reports) else 0
 
 

@@ -47,18 +47,10 @@ from bench._workload import BATCH, build_model, reference_step
 from gradientmail import events as ev
 from gradientmail import wire as p
 from gradientmail.errors import ProtocolError
-from tests.support import s3servers
+from testbed import s3servers
 
 MIB = h.MIB
 _progress = h.progress
-
-
-def median(values: Sequence[float]) -> float:
-    return h.Stats.of(values).median
-
-
-def mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values) if values else math.nan
 
 
 # The phases Run._phases splits a commit's latency into, in the order they happen.
@@ -82,9 +74,9 @@ def phase_table(
         ["phase", *columns],
         note=note,
     )
-    table.add(lag_label, *(h.secs(median(r.lag)) for r in results))
+    table.add(lag_label, *(h.secs(h.median(r.lag)) for r in results))
     for name in PHASES:
-        table.add(name, *(h.secs(median(r.phases.get(name, []))) for r in results))
+        table.add(name, *(h.secs(h.median(r.phases.get(name, []))) for r in results))
     return table
 
 
@@ -684,7 +676,7 @@ class Run:
             up_down=up_down,
             requests=requests,
             lag=lag,
-            raw=median(raw),
+            raw=h.median(raw),
             steps=dict(steps),
             purposes={k: v / per for k, v in purposes.items()},
             requests_by={k: v / per for k, v in requests_by.items()},

@@ -62,6 +62,17 @@ class Stats:
         return Stats(amount / self.median, amount / self.max, amount / self.min, self.n)
 
 
+def median(values: Iterable[float]) -> float:
+    """The median of the values that are not NaN (NaN when none)."""
+    return Stats.of(values).median
+
+
+def mean(values: Iterable[Any]) -> float:
+    """The mean of the values that are numbers and not NaN (NaN when none)."""
+    good = [float(v) for v in values if isinstance(v, int | float) and not math.isnan(v)]
+    return sum(good) / len(good) if good else math.nan
+
+
 def measure(
     fn: Callable[[], object],
     reps: int,
@@ -112,13 +123,19 @@ def secs(s: float) -> str:
     return f"{s:.2f} s"
 
 
-def secs_range(st: Stats) -> str:
-    """``median (min–max)``."""
+def spread(st: Stats, show: Callable[[float], str] = lambda v: f"{v:.0f}", unit: str = "") -> str:
+    """``median (min–max)``: each value through ``show``, ``unit`` after the median; the
+    median alone when there is one value or all are equal."""
     if st.n == 0:
         return "-"
-    if st.n == 1:
-        return secs(st.median)
-    return f"{secs(st.median)} ({secs(st.min)}–{secs(st.max)})"
+    if st.n == 1 or st.min == st.max:
+        return f"{show(st.median)}{unit}"
+    return f"{show(st.median)}{unit} ({show(st.min)}–{show(st.max)})"
+
+
+def secs_range(st: Stats) -> str:
+    """``median (min–max)`` of seconds."""
+    return spread(st, secs)
 
 
 def size(n: float) -> str:
@@ -133,11 +150,7 @@ def size(n: float) -> str:
 
 def gbps(st: Stats) -> str:
     """A rate in bytes/s as ``median GB/s (min–max)``."""
-    if st.n == 0:
-        return "-"
-    if st.n == 1:
-        return f"{st.median / GB:.2f} GB/s"
-    return f"{st.median / GB:.2f} GB/s ({st.min / GB:.2f}–{st.max / GB:.2f})"
+    return spread(st, lambda v: f"{v / GB:.2f}", " GB/s")
 
 
 def ratio(value: float, reference: float, digits: int = 2) -> str:
@@ -150,6 +163,20 @@ def pct(value: float, reference: float) -> str:
     if math.isnan(value) or math.isnan(reference) or reference == 0:
         return "-"
     return f"{100 * value / reference:.1f}%"
+
+
+def change(value: float, reference: float) -> str:
+    """``value`` against ``reference`` as a signed percentage: ``+1.23%``."""
+    if math.isnan(value) or math.isnan(reference) or reference == 0:
+        return "-"
+    return f"{100 * (value / reference - 1):+.2f}%"
+
+
+def num(value: Any, fmt: str = "{:.0f}") -> str:
+    """A number that may be missing (None, NaN: ``n/a``)."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return fmt.format(value)
 
 
 def count(text: str) -> int:

@@ -1,7 +1,7 @@
 """What every arm of the quality benchmark (``quality.py``) shares: the data, the model, one
 training step, the evaluation, and the arms computed in one process.
 
-The data, the model, the training step and the evaluation live in ``gradientmail._lm``
+The data, the model, the training step and the evaluation live in ``gradientmail.demo.lm``
 (the built-in node trains the same model: ``gradientmail run``'s demo); they are re-exported
 here under the names the benchmark has always used. This module adds the run sizes
 (:class:`Sizes`), the benchmark's data files and the in-process arms.
@@ -40,8 +40,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradientmail import _lm as _shared
-from gradientmail._lm import (
+from gradientmail.demo import lm as _shared
+from gradientmail.demo.lm import (
     BLOCK,
     HOLDOUT,
     SEED,

@@ -23,7 +23,6 @@ import os
 import sys
 import threading
 import time
-import traceback
 from typing import Any
 
 import torch
@@ -162,17 +161,9 @@ def _finish(sampler: Sampler) -> dict[str, int]:
 # -- the reference: training alone ------------------------------------------------------------
 
 
-def alone(spec: dict[str, Any], queue: Any) -> None:
-    try:
-        queue.put(_alone(spec, queue))
-    except BaseException as exc:
-        queue.put(
-            {
-                "index": -1,
-                "error": f"{type(exc).__name__}: {exc}",
-                "traceback": traceback.format_exc(),
-            }
-        )
+def alone(_: int, spec: dict[str, Any], queue: Any) -> None:
+    """Training alone, in a process of its own (no barrier: nothing to meet)."""
+    h.guarded(-1, None, queue, lambda: _alone(spec, queue))
 
 
 def _alone(spec: dict[str, Any], queue: Any) -> dict[str, Any]:

@@ -22,10 +22,10 @@ import yaml
 from aiohttp import web
 
 from bench._operator_log import BENCH_AGENT, Entry
-from tests.kube.apiserver import ApiServer
-from tests.kube.client import KubeApi, KubeApiError
-from tests.stub_s3 import Reply, Request, error_xml, stub_s3
-from tests.support.processes import ManagedProcess
+from testbed.kube.apiserver import ApiServer
+from testbed.kube.client import KubeApi, KubeApiError
+from testbed.processes import ManagedProcess
+from testbed.stub_s3 import Reply, Request, error_xml, stub_s3
 
 NAMESPACE = "default"
 GROUP, VERSION, PLURAL = "gradientmail.dev", "v1alpha1", "gradientmailruns"

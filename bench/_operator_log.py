@@ -10,8 +10,8 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from tests.charts.audit import Entry as AuditEntry
-from tests.charts.audit import to_request
+from testbed.audit import Entry as AuditEntry
+from testbed.audit import to_request
 
 BENCH_AGENT = "gradientmail-bench/operator-load"
 """The User-Agent of the benchmark's own requests (creating runs, patching pod status,

@@ -23,26 +23,19 @@ two processes' timestamps up.
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing as mp
 import os
-import statistics
 import threading
 import time
-import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 import gradientmail as gm
 from bench import _harness as h
+from bench import _procs
 from bench._workload import MlpTrainer, build_model, mlp_1m, reference_step
 from gradientmail import events as ev
-from tests.support import s3servers
 
 
 @dataclass(frozen=True)
@@ -58,13 +51,7 @@ class Config:
 
 
 def _learner(index: int, box: gm.Mailbox, config: Config, barrier: Any, queue: Any) -> None:
-    try:
-        queue.put(_learn(index, box, config, barrier))
-    except BaseException as exc:
-        queue.put({"index": index, "error": f"{type(exc).__name__}: {exc}"})
-        with contextlib.suppress(Exception):
-            barrier.abort()
-        raise
+    h.guarded(index, barrier, queue, lambda: _learn(index, box, config, barrier))
 
 
 def _learn(index: int, box: gm.Mailbox, config: Config, barrier: Any) -> dict[str, Any]:
@@ -195,54 +182,24 @@ def _train(session: gm.Session, model: torch.nn.Module, config: Config) -> dict[
 # -- the parent side -------------------------------------------------------------------------
 
 
-@contextmanager
-def mailbox_for(backend: str, workdir: Path) -> Iterator[gm.Mailbox]:
-    if backend == "filesystem":
-        yield gm.FileMailbox(workdir / f"twoproc-{uuid.uuid4().hex[:6]}")
-        return
-    with s3servers.seaweedfs(workdir / f"seaweedfs-{uuid.uuid4().hex[:6]}") as server:
-        yield server.mailbox(f"twoproc-{uuid.uuid4().hex[:6]}")
-
-
 def run(ctx: h.Context, backend: str, config: Config) -> dict[str, Any]:
     """Run (or reuse from ``ctx.cache``) two learner processes; return both results."""
     key = f"twoproc {backend} {config}"
     if key in ctx.cache:
         return dict(ctx.cache[key])
-    spawn = mp.get_context("spawn")
     if config.mode == "sync":
         what = f"{config.warmup} + {config.rounds} rounds of {config.params / 1e6:.0f}M params"
     else:
         what = f"the 1M-param MLP, {config.steps} training steps"
     h.progress(f"two learner processes on {backend}: {what}")
     os.sync()  # earlier runs' dirty pages written back first: they would slow our fsyncs
-    with mailbox_for(backend, ctx.workdir) as box:
-        barrier = spawn.Barrier(2)
-        queue = spawn.Queue()
-        procs = [
-            spawn.Process(target=_learner, args=(i, box, config, barrier, queue), daemon=True)
-            for i in range(2)
-        ]
-        for p in procs:
-            p.start()
-        results: dict[int, dict[str, Any]] = {}
-        limit = time.monotonic() + 60 + config.timeout * (config.rounds + config.warmup + 2)
-        while len(results) < 2 and time.monotonic() < limit:
-            try:
-                item = queue.get(timeout=2)
-            except Exception:
-                if any(p.exitcode not in (None, 0) for p in procs) and queue.empty():
-                    break
-                continue
-            results[item["index"]] = item
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    errors = [r["error"] for r in results.values() if "error" in r]
+    with _procs.store(backend, ctx.workdir, "twoproc") as box:
+        procs, queue, _ = _procs.spawn(_learner, 2, (box, config), "twoproc")
+        limit = 60 + config.timeout * (config.rounds + config.warmup + 2)
+        results, errors = _procs.gather(procs, queue, 2, "twoproc", limit_s=limit)
     if errors or len(results) < 2:
         raise RuntimeError(f"learner processes failed: {errors or 'no result'}")
-    out = {"backend": backend, "config": config.__dict__, "learners": [results[0], results[1]]}
+    out = {"backend": backend, "config": config.__dict__, "learners": results}
     ctx.cache[key] = out
     return dict(out)
 
@@ -275,7 +232,3 @@ def sync_rounds(result: dict[str, Any]) -> list[dict[str, float]]:
             }
         )
     return out
-
-
-def median(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")

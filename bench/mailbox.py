@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -35,7 +34,7 @@ if __package__ in (None, ""):
 
 import gradientmail as gm
 from bench import _harness as h
-from tests.support import s3servers
+from testbed import s3servers
 
 NAME = "mailbox"
 
@@ -63,10 +62,6 @@ class Target:
 
 
 _progress = h.progress
-
-
-def _median(samples: list[float]) -> float:
-    return statistics.median(samples)
 
 
 def _time(fn: Callable[[], object]) -> float:
@@ -177,13 +172,13 @@ def bench_target(target: Target, args: argparse.Namespace) -> list[Row]:
             Row(
                 target.name,
                 "put_if_absent 1 KiB",
-                _median(put_ref),
-                _median(put_box),
+                h.median(put_ref),
+                h.median(put_box),
                 target=small_target,
             )
         )
         rows.append(
-            Row(target.name, "get 1 KiB", _median(get_ref), _median(get_box), target=small_target)
+            Row(target.name, "get 1 KiB", h.median(get_ref), h.median(get_box), target=small_target)
         )
 
         _progress(f"{target.name}: filling 1,000 keys for list")
@@ -209,8 +204,8 @@ def bench_target(target: Target, args: argparse.Namespace) -> list[Row]:
             Row(
                 target.name,
                 "list 1,000 keys",
-                _median(list_ref),
-                _median(list_box),
+                h.median(list_ref),
+                h.median(list_box),
                 target=small_target,
             )
         )
@@ -235,8 +230,8 @@ def bench_target(target: Target, args: argparse.Namespace) -> list[Row]:
                 Row(
                     target.name,
                     f"put {mib} MiB",
-                    _median(pr),
-                    _median(pb),
+                    h.median(pr),
+                    h.median(pb),
                     len(data),
                     target=big_target,
                 )
@@ -245,8 +240,8 @@ def bench_target(target: Target, args: argparse.Namespace) -> list[Row]:
                 Row(
                     target.name,
                     f"get {mib} MiB",
-                    _median(gr),
-                    _median(gb),
+                    h.median(gr),
+                    h.median(gb),
                     len(data),
                     target=big_target,
                 )

@@ -28,15 +28,9 @@ during which ``MemAvailable`` falls under 1 GiB is stopped. The processes' code 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import multiprocessing as mp
-import queue as queue_module
-import shutil
 import sys
 import time
-import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +40,7 @@ if __package__ in (None, ""):
 
 from bench import _harness as h
 from bench import _memory_worker as w
+from bench import _procs
 from bench._memory_report import model_name, tables, targets
 
 NAME = "memory"
@@ -94,69 +89,28 @@ def _collect(
 ) -> list[dict[str, Any]]:
     """Results from ``procs`` until ``expected`` arrived; progress to stderr. The processes
     are stopped on an error, on the time limit, or when memory runs short."""
-    results: list[dict[str, Any]] = []
-    errors: list[str] = []
-    failures: list[str] = []  # the learners' failure events (PublishFailed, ...), as seen
-    heard = time.monotonic()
-    grace: float | None = None
     low = w.mem_available()
-    finished = False
-    try:
-        while len(results) < expected:
-            available = w.mem_available()
-            low = min(low, available)
-            if available < config.abort_below:
-                errors.append(f"stopped: MemAvailable fell to {h.size(available)}")
-                break
-            now = time.monotonic()
-            if now > heard + config.stall_s:
-                errors.append(f"stalled: no news from the processes in {config.stall_s:g} s")
-                break
-            if grace is not None and now > grace:
-                errors.append("gave up waiting for the other processes after an error")
-                break
-            try:
-                item = queue.get(timeout=0.2)
-            except queue_module.Empty:
-                if all(p.exitcode is not None for p in procs):
-                    errors.append(f"processes exited: {[p.exitcode for p in procs]}")
-                    break
-                continue
-            heard = time.monotonic()
-            if "failure" in item:
-                failures.append(f"learner-{item['beat']}: {item['failure']}")
-                h.progress(f"{label}: learner-{item['beat']}: {item['failure']}")
-            elif "progress" in item:
-                if item.get("beat", 0) == 0:  # learner-0 (or the reference) speaks for all
-                    h.progress(f"{label}: {item['progress']}")
-            elif "error" in item:
-                errors.append(f"process {item['index']}: {item['error']}")
-                h.progress(f"{label}: process {item['index']} failed:\n{item['traceback']}")
-                if grace is None:  # the others fail at a barrier, or wait for a round
-                    grace = time.monotonic() + 30
-            else:
-                results.append(item)
-        finished = True
-    finally:
-        if not finished:  # interrupted: stop them at once
-            errors.append("interrupted")
-        if errors:  # what the processes reached before they are stopped
-            peaks = [_hwm(p.pid) for p in procs]
-            if any(peaks):
-                errors.append("peak RSS so far: " + ", ".join(h.size(x) for x in peaks))
-            if failures:
-                errors.append(f"failure events: {failures[:4]}")
-        for p in procs:
-            p.join(timeout=60 if not errors else 2)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=10)
+
+    def memory_short() -> str | None:
+        nonlocal low
+        available = w.mem_available()
+        low = min(low, available)
+        if available < config.abort_below:
+            return f"stopped: MemAvailable fell to {h.size(available)}"
+        return None
+
+    def peaks() -> list[str]:  # what the processes reached before they are stopped
+        got = [_hwm(p.pid) for p in procs]
+        return ["peak RSS so far: " + ", ".join(h.size(x) for x in got)] if any(got) else []
+
+    results, errors = _procs.gather(
+        procs, queue, expected, label, stall_s=config.stall_s, check=memory_short, on_stop=peaks
+    )
     if errors:
         raise RuntimeError("; ".join(errors))
     for item in results:
         item["mem_available_low"] = low
-        item["failure_events"] = [x for x in failures if x.startswith(f"learner-{item['index']}:")]
-    return sorted(results, key=lambda r: r["index"])
+    return results
 
 
 def _hwm(pid: int | None) -> int:
@@ -189,55 +143,17 @@ def _spec(config: Config, params: int, fragments: int, learners: int) -> dict[st
 
 def _alone(config: Config, params: int) -> dict[str, Any]:
     """Training alone: one process, the same model (as for one fragment) and loop."""
-    spawn = mp.get_context("spawn")
-    queue = spawn.Queue()
     spec = _spec(config, params, fragments=1, learners=1)
-    proc = spawn.Process(target=w.alone, args=(spec, queue), name="memory-alone", daemon=True)
-    proc.start()
-    return _collect([proc], queue, 1, f"{model_name(params)} training alone", config)[0]
+    procs, queue, _ = _procs.spawn(w.alone, 1, (spec,), "memory-alone", barrier=False)
+    return _collect(procs, queue, 1, f"{model_name(params)} training alone", config)[0]
 
 
 def _learners(
     config: Config, params: int, fragments: int, n: int, mailbox: Any, label: str
 ) -> list[dict[str, Any]]:
-    spawn = mp.get_context("spawn")
-    queue = spawn.Queue()
-    barrier = spawn.Barrier(n)
     spec = _spec(config, params, fragments, n)
-    procs = [
-        spawn.Process(
-            target=w.learner,
-            args=(i, spec, mailbox, barrier, queue),
-            name=f"memory-{i}",
-            daemon=True,
-        )
-        for i in range(n)
-    ]
-    for p in procs:
-        p.start()
+    procs, queue, _ = _procs.spawn(w.learner, n, (spec, mailbox), "memory")
     return _collect(procs, queue, n, label, config)
-
-
-@contextlib.contextmanager
-def _mailbox(ctx: h.Context, backend: str, name: str) -> Iterator[Any]:
-    """A fresh store for one configuration: a directory, or a SeaweedFS server of its own
-    (``tests.support.s3servers``; data from earlier configurations would fill its volumes
-    and its memory). Removed afterwards."""
-    import gradientmail as gm
-
-    slug = f"memory-{name}-{uuid.uuid4().hex[:6]}"
-    root = ctx.workdir / slug
-    try:
-        if backend == "filesystem":
-            yield gm.FileMailbox(root)
-            return
-        from tests.support import s3servers
-
-        h.progress(f"{name}: starting SeaweedFS")
-        with s3servers.seaweedfs(root) as server:
-            yield server.mailbox(slug)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 # -- estimates ----------------------------------------------------------------
@@ -348,7 +264,7 @@ def _measure(
                     t0 = time.monotonic()
                     try:
                         name = f"{model_name(params)}-f{fragments}-n{n}"
-                        with _mailbox(ctx, backend, name) as box:
+                        with _procs.store(backend, ctx.workdir, f"memory-{name}") as box:
                             row["learners"] = _learners(config, params, fragments, n, box, label)
                     except Exception as exc:
                         row["error"] = f"{type(exc).__name__}: {exc}"

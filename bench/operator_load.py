@@ -2,7 +2,7 @@
 N = 1, 10, 100 runs at once; and how long a failed pod waits for its replacement when the
 store hangs.
 
-On the project's Kubernetes API server stand-in (``tests/kube``), with a timed log of every
+On the project's Kubernetes API server stand-in (``testbed/kube``), with a timed log of every
 request, the operator runs as a real ``kopf run --standalone --all-namespaces`` of
 ``operator/gradientmail_operator/handlers.py`` from ``--source`` (default: this checkout;
 ``gradientmail`` and ``gradientmail_operator`` are imported from there, checked before the
@@ -54,8 +54,8 @@ if __package__ in (None, ""):
 from bench import _harness as h
 from bench import _operator_cluster as oc
 from bench._operator_log import Window, count, operator_entries, rows
-from tests.kube.client import KubeApi
-from tests.support.processes import ManagedProcess
+from testbed.kube.client import KubeApi
+from testbed.processes import ManagedProcess
 
 NAME = "operator"
 FINISHED_TARGET = 1.0
@@ -105,7 +105,7 @@ class Setup:
         elif store == "hang":
             self.endpoint, self.s3_log = stack.enter_context(oc.hanging_s3())
         elif store == "closed":
-            from tests.stub_s3 import closed_port
+            from testbed.stub_s3 import closed_port
 
             self.endpoint = f"http://127.0.0.1:{closed_port()}"
         self.server = oc.LoggingApiServer(logs_dir=workdir / "pod-logs").start()

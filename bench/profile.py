@@ -436,10 +436,6 @@ class Profile:
         return self.roles[s.chain[-1][0]], thread_group(s.thread)
 
 
-def _pct(n: float, total: int) -> str:
-    return f"{100 * n / total:.1f}%" if total else "-"
-
-
 def _count(stacks: Iterable[Stack], key) -> Counter:  # type: ignore[no-untyped-def]
     counter: Counter = Counter()
     for s in stacks:
@@ -475,9 +471,9 @@ def thread_table(p: Profile) -> h.Table:
             name,
             len(threads[key]),
             f"{wall[key] / p.rate:.1f}",
-            _pct(wall[key], p.wall_total),
+            h.pct(wall[key], p.wall_total),
             f"{cpu[key] / p.rate:.1f}",
-            _pct(cpu[key], p.cpu_total),
+            h.pct(cpu[key], p.cpu_total),
             # Two samplers, sampled independently: a busy thread can read a little over 100%.
             f"{min(100.0, 100 * cpu[key] / wall[key]):.0f}%" if wall[key] else "-",
         )
@@ -511,7 +507,7 @@ def hot_table(p: Profile, top: int) -> h.Table:
         "of this repository above it.",
     )
     for (frame, caller), n in cpu.most_common(top):
-        t.add(_pct(n, p.cpu_total), _pct(wall[(frame, caller)], p.wall_total), frame.function,
+        t.add(h.pct(n, p.cpu_total), h.pct(wall[(frame, caller)], p.wall_total), frame.function,
               where(frame), source(frame, 40), _under(caller))  # fmt: skip
     return t
 
@@ -541,7 +537,7 @@ def wait_table(p: Profile, top: int) -> h.Table:
             break
         if frame.function == "_worker" and frame.file.endswith("concurrent/futures/thread.py"):
             continue
-        t.add(f"{n / p.rate:.1f}", _pct(wall[(frame, caller)], p.wall_total), frame.function,
+        t.add(f"{n / p.rate:.1f}", h.pct(wall[(frame, caller)], p.wall_total), frame.function,
               where(frame), _under(caller))  # fmt: skip
     return t
 
@@ -560,7 +556,7 @@ def ours_table(p: Profile, top: int, sort: str) -> h.Table:
         "sample); wall % includes time its threads spent waiting below it.",
     )
     for key, _ in sorted(first.items(), key=lambda kv: (-kv[1], kv[0]))[:top]:
-        t.add(_pct(cpu[key], p.cpu_total), _pct(wall[key], p.wall_total), key[0], key[1])
+        t.add(h.pct(cpu[key], p.cpu_total), h.pct(wall[key], p.wall_total), key[0], key[1])
     return t
 
 

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import math
 import os
 import shutil
@@ -50,8 +49,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, suppress
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -62,6 +60,7 @@ if __package__ in (None, ""):
 
 from bench import _harness as h
 from bench import _lm
+from bench._procs import Job, JobFailed, child_env, run_pool, run_together, seaweedfs_specs
 
 NAME = "quality"
 M = _lm.LEARNERS
@@ -161,143 +160,6 @@ def describe_algorithm(settings: Mapping[str, Any] | None) -> str:
     return words
 
 
-# -- child processes -------------------------------------------------------------------------
-
-
-class JobFailed(RuntimeError):
-    pass
-
-
-@dataclass
-class Job:
-    name: str
-    spec: dict[str, Any]
-    timeout: float
-    dir: Path
-    proc: subprocess.Popen[bytes] | None = None
-    started: float = 0.0
-    result: dict[str, Any] | None = None
-
-    @property
-    def out(self) -> Path:
-        return self.dir / f"{self.name}.out.json"
-
-    @property
-    def log(self) -> Path:
-        return self.dir / f"{self.name}.log"
-
-    def start(self, env: Mapping[str, str]) -> None:
-        spec = dict(self.spec, out=str(self.out))
-        path = self.dir / f"{self.name}.job.json"
-        path.write_text(json.dumps(spec))
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "bench._quality_worker", str(path)],
-                cwd=h.ROOT,
-                env=dict(env),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-            )
-        self.started = time.monotonic()
-
-    def finished(self) -> bool:
-        """True once the process exited (its result read) or was ended for its timeout."""
-        assert self.proc is not None
-        if self.proc.poll() is None:
-            if time.monotonic() - self.started <= self.timeout:
-                return False
-            self.kill()
-            self.result = {"error": f"timed out after {self.timeout:.0f} s"}
-            return True
-        if self.result is None:
-            try:
-                self.result = json.loads(self.out.read_text())
-            except (OSError, ValueError):
-                self.result = {"error": f"exit status {self.proc.returncode}, no result"}
-            if self.proc.returncode != 0 and "error" not in self.result:
-                self.result["error"] = f"exit status {self.proc.returncode}"
-        return True
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            with suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=30)
-
-    def tail(self, lines: int = 15) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-    def value(self) -> dict[str, Any]:
-        assert self.result is not None
-        if "error" in self.result:
-            raise JobFailed(f"{self.name}: {self.result['error']}\n{self.tail()}")
-        return self.result
-
-
-def child_env(sizes: _lm.Sizes) -> dict[str, str]:
-    env = dict(os.environ)
-    paths = [str(h.ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join(paths)  # the gradientmail beside this bench/
-    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        env[name] = str(sizes.threads)
-    return env
-
-
-def run_pool(
-    jobs: Sequence[Job],
-    parallel: int,
-    env: Mapping[str, str],
-    on_done: Callable[[Job], None] = lambda _: None,
-) -> None:
-    """Run ``jobs``, ``parallel`` at a time; each is bounded by its own timeout."""
-    waiting = list(jobs)
-    running: list[Job] = []
-    try:
-        while waiting or running:
-            while waiting and len(running) < parallel:
-                job = waiting.pop(0)
-                job.start(env)
-                running.append(job)
-            time.sleep(0.2)
-            for job in [j for j in running if j.finished()]:
-                running.remove(job)
-                on_done(job)
-    finally:
-        for job in running:
-            job.kill()
-
-
-def run_together(jobs: Sequence[Job], env: Mapping[str, str], label: str) -> None:
-    """Start ``jobs`` at once (a run's learners); when one fails, end the others (they would
-    wait for it until their timeout). Bounded by the largest timeout."""
-    for job in jobs:
-        job.start(env)
-    next_note = time.monotonic() + 30
-    try:
-        while True:
-            done = [job.finished() for job in jobs]
-            failed = [
-                j for j, d in zip(jobs, done, strict=True) if d and "error" in (j.result or {})
-            ]
-            if failed or all(done):
-                break
-            if time.monotonic() >= next_note:
-                next_note = time.monotonic() + 30
-                last = jobs[0].tail(1).strip()
-                if last:
-                    h.progress(f"{label}: {last}")
-            time.sleep(0.2)
-    finally:
-        for job in jobs:
-            job.kill()
-    for job in jobs:
-        job.finished()
-
-
 # -- arms ------------------------------------------------------------------------------------
 
 
@@ -356,10 +218,6 @@ class Arm:
         return f"{self.arm}{model}" + ("" if setting == "-" else f" {setting}")
 
 
-def _median(values: Sequence[float]) -> float:
-    return h.Stats.of(values).median
-
-
 class Bench:
     def __init__(self, ctx: h.Context, sizes: _lm.Sizes) -> None:
         self.ctx = ctx
@@ -367,7 +225,7 @@ class Bench:
         self.dir = ctx.workdir / f"quality-{uuid.uuid4().hex[:6]}"
         self.dir.mkdir(parents=True)
         self.data = self.dir / "data.pt"
-        self.env = child_env(sizes)
+        self.env = child_env(sizes.threads)
         self.parallel = max(1, (os.cpu_count() or 2) // sizes.threads)
         self.arms: dict[str, Arm] = {}
         self.params: dict[str, Path] = {}  # arm key -> its final parameters
@@ -431,6 +289,38 @@ class Bench:
             lambda job: self.record_inprocess(job, by_key[job.name]),
         )
 
+    def run_learners(
+        self,
+        key: str,
+        label: str,
+        learner: Callable[[int], dict[str, Any]],
+        evaluation: dict[str, Any],
+        timeout: float,
+    ) -> tuple[list[dict[str, Any]], dict[str, Any], float]:
+        """Learner processes (``learner(i)``: learner i's job, one per index it returns
+        for ``i`` in ``range(n)``, ``n = evaluation["learners"]`` or M), all at once; then
+        ``evaluation`` (``gm.align`` as a user would) in another process. Their results and
+        the learners' wall time; :class:`JobFailed` from either."""
+        base = {"sizes": self.sizes.to_json(), "data": str(self.data)}
+        n = int(evaluation.get("learners", M))
+        jobs = [
+            Job(f"{key}.learner-{i}", {"mode": "learner", **base, **learner(i)}, timeout, self.dir)
+            for i in range(n)
+        ]
+        h.progress(f"{label}: {n} learner processes")
+        t0 = time.monotonic()
+        run_together(jobs, self.env, label)
+        processes_s = time.monotonic() - t0
+        results = [job.value() for job in jobs]
+        ev = Job(
+            f"{key}.evaluate",
+            {"mode": "evaluate", **base, **evaluation},
+            self.timeout_scale * 600,
+            self.dir,
+        )
+        run_together([ev], self.env, f"{label} evaluation")
+        return results, ev.value(), processes_s
+
     def run_diloco(self, arm: Arm, box: Callable[[], dict[str, Any]]) -> None:
         """M learner processes on the mailbox ``box()`` describes, then ``gm.align``."""
         self.arms[arm.key] = arm
@@ -438,13 +328,12 @@ class Bench:
         assert arm.fragments is not None
         mailbox = box()
         timeout = self._train_timeout(arm.family) * 2
-        learners = [
-            Job(
-                f"{arm.key}.learner-{i}",
-                {
-                    "mode": "learner",
-                    "sizes": self.sizes.to_json(),
-                    "data": str(self.data),
+        save = self.dir / f"{arm.key}.params.pt"
+        try:
+            results, ev, processes_s = self.run_learners(
+                arm.key,
+                f"{arm.label()} on {arm.backend}",
+                lambda i: {
                     "family": arm.family,
                     "learner": i,
                     "sync_every": arm.sync_every,
@@ -455,45 +344,20 @@ class Bench:
                     "mailbox": mailbox,
                     "timeout": timeout - 60,
                 },
+                {
+                    "family": arm.family,
+                    "fragments": arm.fragments,
+                    "mailbox": mailbox,
+                    "save": str(save),
+                },
                 timeout,
-                self.dir,
             )
-            for i in range(M)
-        ]
-        h.progress(f"{arm.label()}: {M} learner processes on {arm.backend}")
-        t0 = time.monotonic()
-        run_together(learners, self.env, arm.label())
-        processes_s = time.monotonic() - t0
-        try:
-            results = [job.value() for job in learners]
         except JobFailed as exc:
             arm.error = str(exc).splitlines()[0]
             arm.data["log"] = str(exc)
             h.progress(f"{arm.label()}: FAILED {exc}")
             return
-        save = self.dir / f"{arm.key}.params.pt"
         self.params[arm.key] = save
-        evaluation = Job(
-            f"{arm.key}.evaluate",
-            {
-                "mode": "evaluate",
-                "sizes": self.sizes.to_json(),
-                "data": str(self.data),
-                "family": arm.family,
-                "fragments": arm.fragments,
-                "mailbox": mailbox,
-                "save": str(save),
-            },
-            self.timeout_scale * 600,
-            self.dir,
-        )
-        run_together([evaluation], self.env, f"{arm.label()} evaluation")
-        try:
-            ev = evaluation.value()
-        except JobFailed as exc:
-            arm.error = str(exc).splitlines()[0]
-            h.progress(f"{arm.label()}: evaluation FAILED {exc}")
-            return
         arm.final_loss = float(ev["final_loss"])
         arm.curve = [(int(x), float(y)) for x, y in ev.get("curve", [])]
         arm.wall_s = max(r["train_s"] + r["close_s"] for r in results)
@@ -545,11 +409,11 @@ def summarize(
         "waited_s": max(waited) if waited else None,
         "waits": sum(waits) if waits else None,
         "lag_steps": lags,
-        "lag_steps_median": _median(lags) if lags else None,
+        "lag_steps_median": h.median(lags) if lags else None,
         "lag_steps_max": max(lags) if lags else None,
-        "lag_s_median": _median(lag_s) if lag_s else None,
-        "bytes_up": _mean([r["counters"].get("bytes_up_total", math.nan) for r in learners]),
-        "bytes_down": _mean([r["counters"].get("bytes_down_total", math.nan) for r in learners]),
+        "lag_s_median": h.median(lag_s) if lag_s else None,
+        "bytes_up": h.mean([r["counters"].get("bytes_up_total", math.nan) for r in learners]),
+        "bytes_down": h.mean([r["counters"].get("bytes_down_total", math.nan) for r in learners]),
         "samples_trained": samples_trained,
         # Every round of a fragment accounts for all learners' samples since its last one.
         "samples_in_final": min(committed) if committed else None,
@@ -559,11 +423,6 @@ def summarize(
         "align_equals_newest": ev.get("align_equals_newest"),
         "curve_error": ev.get("curve_error"),
     }
-
-
-def _mean(values: Sequence[float]) -> float:
-    good = [v for v in values if isinstance(v, int | float) and not math.isnan(v)]
-    return sum(good) / len(good) if good else math.nan
 
 
 # -- the run ---------------------------------------------------------------------------------
@@ -614,31 +473,19 @@ def library_commit() -> dict[str, Any]:
     return out
 
 
-@contextmanager
-def seaweedfs_box(workdir: Path) -> Iterator[Callable[[], dict[str, Any]]]:
-    from tests.support import s3servers
-
-    with s3servers.seaweedfs(workdir / "seaweedfs") as server:
-
-        def box() -> dict[str, Any]:
-            return {
-                "kind": "s3",
-                "bucket": server.bucket,
-                "prefix": f"quality-{uuid.uuid4().hex[:8]}",
-                "endpoint_url": server.endpoint_url,
-                "access_key": server.access_key,
-                "secret_key": server.secret_key,
-            }
-
-        yield box
-
-
 def run(ctx: h.Context) -> h.Report:
     import torch
 
     import gradientmail as gm
+    from bench import quality_moshpit
 
     options = ctx.options.get("quality", {})
+    chosen = set(options.get("arms") or ())
+    moshpit = quality_moshpit.wanted(chosen)
+    if moshpit and chosen <= quality_moshpit.ARM_NAMES:  # the Moshpit comparison alone
+        report = h.Report(NAME, quality_moshpit.TITLE, quality_moshpit.REFERENCE)
+        quality_moshpit.run_arms(ctx, report)
+        return report
     sizes = sizes_for(ctx)
     bench = Bench(ctx, sizes)
     report = h.Report(
@@ -652,6 +499,8 @@ def run(ctx: h.Context) -> h.Report:
     finally:
         if not options.get("keep_workdir"):
             shutil.rmtree(bench.dir, ignore_errors=True)
+    if moshpit:  # after the others: a run of its own, N learners on N shards
+        quality_moshpit.run_arms(ctx, report)
     return report
 
 
@@ -818,7 +667,7 @@ def _run(
             )
             try:
                 h.progress("starting SeaweedFS")
-                with seaweedfs_box(bench.dir) as box:
+                with seaweedfs_specs(bench.dir, "quality") as box:
                     bench.run_diloco(s3_arm, box)
                     h.progress("stopping SeaweedFS")
             except Exception as exc:
@@ -911,18 +760,6 @@ def sparkline(values: Sequence[float], low: float, high: float) -> str:
         i = int((v - low) / (high - low) * (len(SPARK) - 1) + 0.5)
         out.append(SPARK[max(0, min(len(SPARK) - 1, i))])
     return "".join(out)
-
-
-def _pct(value: float, reference: float) -> str:
-    if math.isnan(value) or math.isnan(reference) or reference == 0:
-        return "-"
-    return f"{100 * (value / reference - 1):+.2f}%"
-
-
-def _num(value: Any, fmt: str = "{:.0f}") -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "n/a"
-    return fmt.format(value)
 
 
 def build_report(
@@ -1057,8 +894,8 @@ def build_report(
             a.setting,
             f"{a.final_loss:.4f}",
             h.ratio(a.final_loss, d.final_loss, 3) if d else "-",
-            _pct(a.final_loss, ref.final_loss) if ref and a is not ref else "-",
-            _pct(a.final_loss, late.final_loss) if late else "-",
+            h.change(a.final_loss, ref.final_loss) if ref and a is not ref else "-",
+            h.change(a.final_loss, late.final_loss) if late else "-",
             sparkline(
                 [y for _, y in a.curve], lows.get(a.family, math.nan), highs.get(a.family, math.nan)
             ),
@@ -1109,11 +946,11 @@ def build_report(
                 if info.get("sync_points_counter")
                 else ""
             ),
-            _num(info.get("contributors_per_round"), "{:.2f}"),
+            h.num(info.get("contributors_per_round"), "{:.2f}"),
             f"{skipped} of {info['skipped_total_points']}" if skipped is not None else "n/a",
             h.secs(info["step_s_max"]),
             h.secs(info["waited_s"]) if info.get("waited_s") is not None else "n/a",
-            f"{_num(info.get('lag_steps_median'), '{:.0f}')}, {_num(info.get('lag_steps_max'))}",
+            f"{h.num(info.get('lag_steps_median'), '{:.0f}')}, {h.num(info.get('lag_steps_max'))}",
             h.secs(info["lag_s_median"]) if info.get("lag_s_median") is not None else "n/a",
             h.size(info["bytes_up"]),
             h.size(info["bytes_down"]),
@@ -1201,10 +1038,10 @@ def per_round(learners: Sequence[Mapping[str, Any]], rounds_committed: int) -> d
         computed.append(c.get("computed") or 0)
         ups.append(c.get("bytes_up_total", math.nan) / n)
         downs.append(c.get("bytes_down_total", math.nan) / n)
-    up, down = _mean(ups), _mean(downs)
+    up, down = h.mean(ups), h.mean(downs)
     return {
-        "applied": _mean(applied),
-        "computed": _mean(computed),
+        "applied": h.mean(applied),
+        "computed": h.mean(computed),
         "up": up,
         "down": down,
         "total": up + down,
@@ -1312,8 +1149,8 @@ def compression_table(
             if base_learners
             else math.nan
         )
-        applied = _num(mine["applied"], "{:.1f}") + (
-            f" ({_num(mine['computed'], '{:.1f}')} computed)" if mine["computed"] else ""
+        applied = h.num(mine["applied"], "{:.1f}") + (
+            f" ({h.num(mine['computed'], '{:.1f}')} computed)" if mine["computed"] else ""
         )
         table.add(
             a.arm,
@@ -1322,7 +1159,7 @@ def compression_table(
             f"{a.final_loss:.4f}",
             (
                 f"{h.ratio(a.final_loss, base.final_loss, 4)} "
-                f"({_pct(a.final_loss, base.final_loss)})"
+                f"({h.change(a.final_loss, base.final_loss)})"
                 if base
                 else "no dense diloco arm"
             ),
@@ -1402,7 +1239,7 @@ def targets(
         if not has_overlap:
             why = (
                 "this library has no `overlap` setting: commits are applied whenever they "
-                f"arrive (median lag {_num(a.data.get('lag_steps_median'))} steps) and "
+                f"arrive (median lag {h.num(a.data.get('lag_steps_median'))} steps) and "
                 f"{a.data.get('skipped') or 0} sync points were skipped"
             )
         elif abs(gap) > 0.005:
@@ -1424,19 +1261,19 @@ def targets(
                 "not run",
                 "within ±0.5%",
                 None,
-                f"median lag {_num(lag)} steps: no reference-late to compare with",
+                f"median lag {h.num(lag)} steps: no reference-late to compare with",
             )
             continue
         gap = a.final_loss / late.final_loss - 1
         price = (
-            f"; price of overlap vs reference {_pct(late.final_loss, ref.final_loss)}"
+            f"; price of overlap vs reference {h.change(late.final_loss, ref.final_loss)}"
             if ref
             else ""
         )
         if a.arm == "diloco-s3":
             price += (
                 "; N from the file arm (this arm's median lag "
-                f"{_num(a.data.get('lag_steps_median'))} steps)"
+                f"{h.num(a.data.get('lag_steps_median'))} steps)"
             )
         report.target(
             f"{a.label()} = reference-late (N={late.late})",
@@ -1509,7 +1346,7 @@ def targets(
         if a.arm == "reference" and base and not a.error:
             report.notes.append(
                 f"reference {a.setting}{' (tiny)' if a.family == 'fast' else ''} against ddp: "
-                f"{_pct(a.final_loss, base.final_loss)} (the algorithm's own gap at this scale)"
+                f"{h.change(a.final_loss, base.final_loss)} (the algorithm's own gap at this scale)"
             )
 
 
@@ -1613,22 +1450,24 @@ def write_plot(bench: Bench, path: Path, main_params: int, fast_params: int) -> 
     return str(path)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "python -m bench.quality") -> int:
     """``python -m bench.quality``: this benchmark alone, with its own options."""
     parser = argparse.ArgumentParser(
-        prog="python -m bench.quality",
+        prog=prog,
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="small sizes")
     size.add_argument("--large", action="store_true", help="the issue's full ranges (slow)")
+    size.add_argument("--tiny", action="store_true", help="Moshpit arms: 4 learners, M=2 d=2")
     parser.add_argument(
         "--arms",
         default="",
         help="comma-separated arm names or keys to run (default: all but the compressed "
         "ones), e.g. diloco-H25-F1,sparseloco-2%%; `compression` names every compressed arm: "
-        + ", ".join(COMPRESSION_ARMS).replace("%", "%%"),
+        + ", ".join(COMPRESSION_ARMS).replace("%", "%%")
+        + "; `moshpit` the Moshpit comparison",
     )
     parser.add_argument(
         "--compression-arms",
@@ -1646,7 +1485,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sparseloco-outer-lr", type=float, default=None)
     parser.add_argument("--sparseloco-error-decay", type=float, default=None)
     parser.add_argument("--no-s3", action="store_true", help="skip the SeaweedFS arm")
+    mosh = parser.add_argument_group("the Moshpit arms (--arms moshpit)")
+    mosh.add_argument("--learners", type=int, default=None, help="N (default 8; --tiny 4)")
+    mosh.add_argument("--grids", default="", help="MxD,... (default 2x3,4x2; --tiny 2x2)")
+    mosh.add_argument("--steps", type=int, default=None, help="local steps per learner")
+    mosh.add_argument("--no-inprocess", action="store_true", help="skip ddp and solo-average")
+    mosh.add_argument("--round-timeout", type=float, default=None)
     parser.add_argument("--json", type=Path, default=None, help="also write the JSON record")
+    parser.add_argument("--md", type=Path, default=None, help="also write the report (Markdown)")
     args = parser.parse_args(argv)
     options: dict[str, Any] = {"s3": not args.no_s3}
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
@@ -1666,6 +1512,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     if tuning:
         options["sparseloco"] = tuning
+    moshpit: dict[str, Any] = {"inprocess": not args.no_inprocess}
+    if args.tiny:
+        moshpit |= {"tiny": True, "learners": 4, "grids": [[2, 2]], "poll_interval": 0.1}
+    for key in ("learners", "steps", "round_timeout"):
+        if getattr(args, key) is not None:
+            moshpit[key] = getattr(args, key)
+    if args.grids:
+        moshpit["grids"] = [[int(x) for x in g.lower().split("x")] for g in args.grids.split(",")]
+    options["moshpit"] = moshpit
     from bench.__main__ import run_suite
 
     return run_suite(
@@ -1677,6 +1532,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "json_path": str(args.json) if args.json is not None else None,
         },
         json_path=args.json,
+        md_path=args.md,
     )
 
 

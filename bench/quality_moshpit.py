@@ -1,4 +1,7 @@
-"""Benchmark 8, Moshpit arms: Moshpit SGD's small groups against DiLoCo at 8 learners.
+"""The quality benchmark's Moshpit arms: Moshpit SGD's small groups against DiLoCo at 8 learners.
+
+``python -m bench quality`` with ``moshpit`` (or these arms' names) among its ``arms``; run by
+``quality.run`` after the others, through its ``Bench`` (learner processes, ``gm.align``).
 
 The quality benchmark's data, model and training (``quality.py``, ``_lm.py``), with N = 8
 learner processes instead of 4, each on its own non-IID shard: the corpus's 4 shards by
@@ -25,25 +28,24 @@ evaluated as a user would, after its learners finished: ``gm.align`` in a separa
 which it logs), and the spread of the learners' own final models (Moshpit learners hold
 different ones). Target: each Moshpit arm's loss within 3% of ``diloco-N``'s.
 
+    .venv/bin/python -m bench.quality --quick --arms moshpit
     .venv/bin/python -m bench.quality_moshpit --quick \\
         --md bench/results/quality-moshpit.md --json bench/results/quality-moshpit.json
     .venv/bin/python -m bench.quality_moshpit --tiny      # 4 learners, M=2, d=2: seconds
+
+(``python -m bench.quality_moshpit ...`` is ``python -m bench.quality --arms moshpit ...``:
+these arms' options, ``--tiny``, ``--learners``, ``--grids``, ``--steps``, are quality's.)
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import os
 import shutil
 import sys
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -55,8 +57,13 @@ import torch
 from bench import _harness as h
 from bench import _lm
 from bench import quality as q
+from bench._procs import Job, JobFailed, run_pool
 
 NAME = "quality-moshpit"
+OPTIONS = "moshpit"  # their options: ctx.options["quality"]["moshpit"]
+ARM_NAMES = frozenset({"moshpit", "moshpit-M2", "moshpit-M4"})
+TITLE = "8b. Training quality: Moshpit groups against DiLoCo"
+REFERENCE = "`diloco-N` (DiLoCo, same N learner processes, same data, same run)"
 LEARNERS = 8
 TARGET = 0.03  # a Moshpit arm's validation loss at most 3% above diloco-N's
 ROUND_TIMEOUT = 600.0  # generous: a group closes when all its members came
@@ -126,7 +133,7 @@ DEFAULT_GRIDS = (Grid(2, 3), Grid(4, 2))
 def sizes_for(ctx: h.Context) -> _lm.Sizes:
     """``options["sizes"]`` when given; ``--tiny``: :data:`TINY`; else ``quality.py``'s preset
     (``--quick``: d_model 64, 2 layers, B = 4, 300 steps) with its smallest H and F = 1."""
-    options = ctx.options.get(NAME, {})
+    options = _options(ctx)
     given = options.get("sizes")
     if given is not None:
         return given if isinstance(given, _lm.Sizes) else _lm.Sizes.from_json(given)
@@ -208,19 +215,23 @@ class Row:
         }
 
 
+def wanted(arms: set[str]) -> bool:
+    """Whether the quality benchmark's ``arms`` ask for the Moshpit comparison."""
+    return bool(arms & ARM_NAMES)
+
+
+def _options(ctx: h.Context) -> dict[str, Any]:
+    return dict(ctx.options.get(q.NAME, {}).get(OPTIONS) or {})
+
+
 class Run:
-    """The scratch directory, the data file and the child processes' environment."""
+    """The Moshpit comparison's settings, on the quality benchmark's :class:`quality.Bench`."""
 
     def __init__(self, ctx: h.Context, sizes: _lm.Sizes, learners: int) -> None:
-        options = ctx.options.get(NAME, {})
+        options = _options(ctx)
+        self.bench = q.Bench(ctx, sizes)
         self.sizes = sizes
         self.learners = learners
-        self.dir = ctx.workdir / f"{NAME}-{os.getpid()}-{time.monotonic_ns() % 10**6:06d}"
-        self.dir.mkdir(parents=True)
-        self.data = self.dir / "data.pt"
-        self.env = q.child_env(sizes)
-        self.parallel = max(1, (os.cpu_count() or 2) // sizes.threads)
-        self.scale = float(options.get("timeout_scale", 1.0))
         self.round_timeout = float(options.get("round_timeout", ROUND_TIMEOUT))
         self.lease_timeout = float(options.get("lease_timeout", LEASE_TIMEOUT))
         self.poll_interval = options.get("poll_interval")
@@ -228,76 +239,49 @@ class Run:
 
     def train_timeout(self) -> float:
         """A generous bound on one arm's training: N processes share the cores."""
-        share = max(1.0, self.learners / max(1, self.parallel))
-        return self.scale * (300 + 1.5 * self.sizes.steps * share)
+        share = max(1.0, self.learners / max(1, self.bench.parallel))
+        return self.bench.timeout_scale * (300 + 1.5 * self.sizes.steps * share)
 
     def run_learners(self, row: Row, algorithm: Mapping[str, Any] | None) -> None:
         """N learner processes on a new file mailbox, then ``gm.align`` and the learners'
         own models evaluated in another process."""
         self.rows[row.key] = row
         h_every = min(self.sizes.sync_every)
-        mailbox = {"kind": "file", "root": str(self.dir / f"mailbox-{row.key}")}
+        mailbox = {"kind": "file", "root": str(self.bench.dir / f"mailbox-{row.key}")}
         timeout = self.train_timeout() * 2
-        params = [self.dir / f"{row.key}.learner-{i}.params.pt" for i in range(self.learners)]
-        jobs = [
-            q.Job(
-                f"{row.key}.learner-{i}",
-                {
-                    "mode": "learner",
-                    "sizes": self.sizes.to_json(),
-                    "data": str(self.data),
-                    "family": "main",
-                    "learner": i,
-                    "learners": self.learners,
-                    "sync_every": h_every,
+        params = [self.bench.dir / f"{row.key}.learner-{i}.params.pt" for i in range(self.learners)]
+        common = {"family": "main", "learners": self.learners, "sync_every": h_every}
+        try:
+            results, ev, processes_s = self.bench.run_learners(
+                row.key,
+                f"{row.key} ({row.setting})",
+                lambda i: (
+                    common
+                    | {
+                        "learner": i,
+                        "fragments": 1,
+                        **({"algorithm": dict(algorithm)} if algorithm is not None else {}),
+                        "mailbox": mailbox,
+                        "timeout": timeout - 60,
+                        "round_timeout": self.round_timeout,
+                        "lease_timeout": self.lease_timeout,
+                        "poll_interval": self.poll_interval,
+                        "save_params": str(params[i]),
+                    }
+                ),
+                common
+                | {
                     "fragments": 1,
-                    **({"algorithm": dict(algorithm)} if algorithm is not None else {}),
                     "mailbox": mailbox,
-                    "timeout": timeout - 60,
-                    "round_timeout": self.round_timeout,
-                    "lease_timeout": self.lease_timeout,
-                    "poll_interval": self.poll_interval,
-                    "save_params": str(params[i]),
+                    "learner_params": [str(p) for p in params],
+                    "groups": row.grid is not None,
                 },
                 timeout,
-                self.dir,
             )
-            for i in range(self.learners)
-        ]
-        h.progress(f"{row.key}: {self.learners} learner processes ({row.setting})")
-        t0 = time.monotonic()
-        q.run_together(jobs, self.env, row.key)
-        processes_s = time.monotonic() - t0
-        try:
-            results = [job.value() for job in jobs]
-        except q.JobFailed as exc:
+        except JobFailed as exc:
             row.error = str(exc).splitlines()[0]
             row.data["log"] = str(exc)
             h.progress(f"{row.key}: FAILED {exc}")
-            return
-        evaluation = q.Job(
-            f"{row.key}.evaluate",
-            {
-                "mode": "evaluate",
-                "sizes": self.sizes.to_json(),
-                "data": str(self.data),
-                "family": "main",
-                "fragments": 1,
-                "sync_every": h_every,
-                "learners": self.learners,
-                "mailbox": mailbox,
-                "learner_params": [str(p) for p in params],
-                "groups": row.grid is not None,
-            },
-            self.scale * 600,
-            self.dir,
-        )
-        q.run_together([evaluation], self.env, f"{row.key} evaluation")
-        try:
-            ev = evaluation.value()
-        except q.JobFailed as exc:
-            row.error = str(exc).splitlines()[0]
-            h.progress(f"{row.key}: evaluation FAILED {exc}")
             return
         row.final_loss = float(ev["final_loss"])
         row.learner_losses = [float(x) for x in ev.get("learner_losses", [])]
@@ -313,27 +297,27 @@ class Run:
 
     def run_inprocess(self, kinds: Sequence[str]) -> None:
         """``ddp`` and ``solo-average`` over the N shards, a few at a time."""
-        jobs: dict[str, tuple[Row, q.Job]] = {}
+        jobs: dict[str, tuple[Row, Job]] = {}
         for kind in kinds:
             key = f"{kind}-{self.learners}"
             row = Row(key, kind, "-")
             spec = {
                 "mode": "inprocess",
                 "sizes": self.sizes.to_json(),
-                "data": str(self.data),
+                "data": str(self.bench.data),
                 "arm": kind,
                 "family": "main",
                 "learners": self.learners,
             }
-            timeout = self.scale * (300 + 1.5 * self.sizes.steps * self.learners)
-            jobs[key] = (row, q.Job(key, spec, timeout, self.dir))
+            timeout = self.bench.timeout_scale * (300 + 1.5 * self.sizes.steps * self.learners)
+            jobs[key] = (row, Job(key, spec, timeout, self.bench.dir))
             self.rows[key] = row
 
-        def done(job: q.Job) -> None:
+        def done(job: Job) -> None:
             row = jobs[job.name][0]
             try:
                 value = job.value()
-            except q.JobFailed as exc:
+            except JobFailed as exc:
                 row.error = str(exc).splitlines()[0]
                 h.progress(f"{row.key}: FAILED {exc}")
                 return
@@ -344,7 +328,7 @@ class Run:
             row.data = {"train_loss": value["train_loss"]}
             h.progress(f"{row.key}: validation loss {row.final_loss:.4f} ({row.wall_s:.0f} s)")
 
-        q.run_pool([job for _, job in jobs.values()], self.parallel, self.env, done)
+        run_pool([job for _, job in jobs.values()], self.bench.parallel, self.bench.env, done)
 
 
 def traffic(
@@ -411,31 +395,35 @@ def _spread(row: Row) -> str:
 # -- the run ---------------------------------------------------------------------------------
 
 
-def run(ctx: h.Context) -> h.Report:
-    """The benchmark; ``ctx.options[NAME]``: ``learners`` (8), ``grids`` (``[[M, d],
-    ...]``), ``tiny``, ``sizes``, ``steps``, ``inprocess`` (ddp and solo-average: True),
-    ``round_timeout``, ``lease_timeout``, ``poll_interval``, ``timeout_scale``,
-    ``keep_workdir``."""
+def run_arms(ctx: h.Context, report: h.Report) -> None:
+    """These arms, their tables and targets added to the quality benchmark's ``report``;
+    ``ctx.options["quality"]["moshpit"]``: ``learners`` (8), ``grids`` (``[[M, d], ...]``),
+    ``tiny``, ``sizes``, ``steps``, ``inprocess`` (ddp and solo-average: True),
+    ``round_timeout``, ``lease_timeout``, ``poll_interval``; ``keep_workdir`` and
+    ``timeout_scale`` are quality's. Named arms (``moshpit-M2``) run only their grid."""
     import gradientmail as gm
 
-    options = ctx.options.get(NAME, {})
+    options = _options(ctx)
     learners = int(options.get("learners", LEARNERS))
     grids = [Grid(int(m), int(d)) for m, d in options.get("grids") or []] or list(DEFAULT_GRIDS)
+    named = set(ctx.options.get(q.NAME, {}).get("arms") or ()) & ARM_NAMES
+    if "moshpit" not in named:
+        grids = [g for g in grids if g.key in named]
     sizes = sizes_for(ctx)
     h_every = min(sizes.sync_every)
-    report = h.Report(
-        NAME,
-        f"8b. Training quality: Moshpit groups against DiLoCo at {learners} learners",
-        f"`diloco-{learners}` (DiLoCo H={h_every}, F=1, {learners} learner processes, same "
-        "data, same run)",
-    )
+    if report.title == TITLE:  # the comparison alone
+        report.title = f"{TITLE} at {learners} learners"
+        report.reference = (
+            f"`diloco-{learners}` (DiLoCo H={h_every}, F=1, {learners} learner processes, same "
+            "data, same run)"
+        )
     started = time.monotonic()
     bench = Run(ctx, sizes, learners)
     try:
         h.progress("reading the standard library's sources")
         corpus = _lm.build_corpus(sizes)
         shards, what = split_shards(corpus.shards, learners)
-        torch.save({"shards": shards, "val": corpus.val}, bench.data)
+        torch.save({"shards": shards, "val": corpus.val}, bench.bench.data)
         library = q.library_commit() | {"gradientmail_file": gm.__file__}
         params = _lm.param_count(sizes.model, sizes.context)
         h.progress(
@@ -459,11 +447,10 @@ def run(ctx: h.Context) -> h.Report:
         if options.get("inprocess", True):
             bench.run_inprocess(["ddp", "solo-average"])
         build_report(report, bench, corpus, what, sizes, library, params)
-        report.data["seconds"] = time.monotonic() - started
+        report.data[OPTIONS]["seconds"] = time.monotonic() - started
     finally:
-        if not options.get("keep_workdir"):
-            shutil.rmtree(bench.dir, ignore_errors=True)
-    return report
+        if not ctx.options.get(q.NAME, {}).get("keep_workdir"):
+            shutil.rmtree(bench.bench.dir, ignore_errors=True)
 
 
 def build_report(
@@ -549,13 +536,13 @@ def build_report(
             row.key,
             row.setting,
             f"{row.final_loss:.4f}",
-            "reference" if row is ref else q._pct(row.final_loss, ref_loss),
+            "reference" if row is ref else h.change(row.final_loss, ref_loss),
             _spread(row),
-            q._num(d.get("rounds_per_learner"), "{:.1f}") if per else "-",
+            h.num(d.get("rounds_per_learner"), "{:.1f}") if per else "-",
             f"{h.size(per['total'])} (up {h.size(per['up'])})" if per else "-",
-            q._num(d.get("missed_groups")) if row.grid else "-",
+            h.num(d.get("missed_groups")) if row.grid else "-",
             str(len(d.get("short_groups") or [])) if row.grid else "-",
-            f"{q._num(waits)} ({q._num(d.get('waited_s_max'), '{:.1f}')})" if per else "-",
+            f"{h.num(waits)} ({h.num(d.get('waited_s_max'), '{:.1f}')})" if per else "-",
             h.secs(row.wall_s),
         )
     moshpit = [r for r in rows.values() if r.grid is not None]
@@ -634,7 +621,7 @@ def build_report(
         f"{bench.lease_timeout:g} s, overlap: the Session default; grid slots are claimed in "
         "join order, so which shard sits in which cell varies between runs."
     )
-    report.data |= {
+    report.data[OPTIONS] = {
         "learners": n,
         "sizes": sizes.to_json(),
         "library": dict(library),
@@ -651,10 +638,10 @@ def scale_note(solo: Row, ref_loss: float, ddp: Row | None, moshpit: Sequence[Ro
     gap = solo.final_loss - ref_loss
     words = [
         f"For scale: solo-average-{n} (no communication, one average at the end) is "
-        f"{q._pct(solo.final_loss, ref_loss)} from diloco-{n}"
+        f"{h.change(solo.final_loss, ref_loss)} from diloco-{n}"
     ]
     if ddp is not None and not ddp.error:
-        words.append(f", ddp-{n} {q._pct(ddp.final_loss, ref_loss)}")
+        words.append(f", ddp-{n} {h.change(ddp.final_loss, ref_loss)}")
     closed = [
         f"{r.key} {100 * (solo.final_loss - r.final_loss) / gap:.0f}%"
         for r in moshpit
@@ -671,83 +658,10 @@ def scale_note(solo: Row, ref_loss: float, ddp: Row | None, moshpit: Sequence[Ro
 # -- the command -----------------------------------------------------------------------------
 
 
-def render_markdown(report: h.Report, command: str, info: Mapping[str, Any]) -> str:
-    lines = [
-        f"# {report.title}",
-        "",
-        f"Command: `{command}`",
-        "",
-        f"Run: {datetime.now(UTC).isoformat(timespec='seconds')}; machine: {h.describe(dict(info))}"
-        f"; library {report.data.get('library', {}).get('describe', '?')}; load average at "
-        f"the end {', '.join(f'{x:.2f}' for x in os.getloadavg())}; {report.seconds:.0f} s in all "
-        "(the machine is shared: wall times include others' load).",
-        "",
-        report.render().split("\n", 1)[1].lstrip("\n"),
-        "",
-    ]
-    return "\n".join(lines)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m bench.quality_moshpit``: this benchmark alone."""
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.quality_moshpit",
-        description=(__doc__ or "").split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    size = parser.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help="quality.py's quick sizes")
-    size.add_argument("--tiny", action="store_true", help="4 learners, M=2 d=2, a tiny model")
-    parser.add_argument("--learners", type=int, default=None, help="N (default 8; --tiny 4)")
-    parser.add_argument(
-        "--grids",
-        default="",
-        help="Moshpit arms as MxD,... (default 2x3,4x2; --tiny 2x2)",
-    )
-    parser.add_argument("--steps", type=int, default=None, help="local steps per learner")
-    parser.add_argument("--no-inprocess", action="store_true", help="skip ddp and solo-average")
-    parser.add_argument("--round-timeout", type=float, default=ROUND_TIMEOUT)
-    parser.add_argument("--md", type=Path, default=None, help="write the report (markdown)")
-    parser.add_argument("--json", type=Path, default=None, help="write the JSON record")
-    args = parser.parse_args(argv)
-    options: dict[str, Any] = {
-        "inprocess": not args.no_inprocess,
-        "round_timeout": args.round_timeout,
-    }
-    if args.tiny:
-        options |= {"tiny": True, "learners": 4, "grids": [[2, 2]], "poll_interval": 0.1}
-    if args.learners is not None:
-        options["learners"] = args.learners
-    if args.grids:
-        options["grids"] = [[int(x) for x in g.lower().split("x")] for g in args.grids.split(",")]
-    if args.steps is not None:
-        options["steps"] = args.steps
-    info = h.machine()
-    command = " ".join([".venv/bin/python -m bench.quality_moshpit", *(argv or sys.argv[1:])])
-    t0 = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="gm-bench-") as tmp:
-        ctx = h.Context(quick=args.quick, large=False, workdir=Path(tmp), options={NAME: options})
-        report = run(ctx)
-    report.seconds = time.monotonic() - t0
-    print(report.render(), flush=True)
-    if args.md is not None:
-        args.md.parent.mkdir(parents=True, exist_ok=True)
-        args.md.write_text(render_markdown(report, command, info))
-        print(f"markdown: {args.md}")
-    if args.json is not None:
-        record = {
-            "benchmark": NAME,
-            "command": command,
-            "started": datetime.now(UTC).isoformat(timespec="seconds"),
-            "machine": info,
-            "options": options,
-            "report": report.to_json(),
-        }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(record, indent=2, default=str) + "\n")
-        print(f"JSON: {args.json}")
-    failed = report.error or any(r.get("error") for r in report.data.get("arms", []))
-    return 1 if failed else 0
+    """``python -m bench.quality_moshpit``: ``python -m bench.quality --arms moshpit``."""
+    rest = list(sys.argv[1:] if argv is None else argv)
+    return q.main(["--arms", "moshpit", *rest], prog="python -m bench.quality_moshpit")
 
 
 if __name__ == "__main__":

@@ -76,8 +76,6 @@ import torch
 import gradientmail as gm
 from bench import _harness as h
 from bench._fleet import Result, Run, file_target, phase_table, seaweedfs_target
-from bench._fleet import mean as _mean
-from bench._fleet import median as _median
 from bench._workload import BATCH, MlpTrainer, build_model
 from gradientmail.algorithms.base import accumulate
 
@@ -157,7 +155,7 @@ def build_report(results: list[Result], args: argparse.Namespace) -> h.Report:
     rows_json = []
     for r in results:
         bound = 2 * r.fragment_bytes
-        lag = _median(r.lag)
+        lag = h.median(r.lag)
         table.add(
             r.backend,
             r.learners,
@@ -193,7 +191,7 @@ def build_report(results: list[Result], args: argparse.Namespace) -> h.Report:
                 "closes_per_round": r.closes,
                 "bytes_by_purpose": r.purposes,
                 "requests_by": r.requests_by,
-                "phases_median_s": {k: _median(v) for k, v in r.phases.items()},
+                "phases_median_s": {k: h.median(v) for k, v in r.phases.items()},
                 "step_s": {k: h.Stats.of(v).__dict__ for k, v in r.steps.items()},
                 "skipped_syncs": r.skipped,
                 "errors": r.errors,
@@ -201,7 +199,7 @@ def build_report(results: list[Result], args: argparse.Namespace) -> h.Report:
         )
 
     pooled = [t for r in results for t in r.ref_step]
-    ref = _median(pooled)
+    ref = h.median(pooled)
     table = report.table(
         f"step() on the training thread (fake training), against a bare step of the 1M-param "
         f"MLP (batch {BATCH}, CPU): median {h.secs(ref)} over {len(pooled)} steps",
@@ -220,11 +218,11 @@ def build_report(results: list[Result], args: argparse.Namespace) -> h.Report:
     )
     for r in results:
         cells = [
-            f"{len(r.steps.get(k, []))}, {h.secs(_median(r.steps.get(k, [])))}"
+            f"{len(r.steps.get(k, []))}, {h.secs(h.median(r.steps.get(k, [])))}"
             for k in ("snapshot", "apply", "plain")
         ]
         every = [v for values in r.steps.values() for v in values]
-        table.add(_config(r), *cells, h.secs(_mean(every)), h.pct(_mean(every), ref))
+        table.add(_config(r), *cells, h.secs(h.mean(every)), h.pct(h.mean(every), ref))
 
     labels = sorted({k for r in results for k in r.purposes}, key=_purpose_order)
     table = report.table(
@@ -311,20 +309,20 @@ def build_report(results: list[Result], args: argparse.Namespace) -> h.Report:
                 "contributor that does not close moves exactly the bound (1 up, 1 down)"
             ),
         )
-        worst_lag = max(mine, key=lambda r: _median(r.lag) / r.raw)
-        l_ratio = _median(worst_lag.lag) / worst_lag.raw
-        sees = [_median(r.phases.get("syncer: sees the record", [])) for r in mine]
+        worst_lag = max(mine, key=lambda r: h.median(r.lag) / r.raw)
+        l_ratio = h.median(worst_lag.lag) / worst_lag.raw
+        sees = [h.median(r.phases.get("syncer: sees the record", [])) for r in mine]
         report.target(
             f"commit latency vs raw put+get of one fragment, {backend}",
-            f"{l_ratio:.1f}x at worst ({_config(worst_lag)}: {h.secs(_median(worst_lag.lag))} "
+            f"{l_ratio:.1f}x at worst ({_config(worst_lag)}: {h.secs(h.median(worst_lag.lag))} "
             f"vs {h.secs(worst_lag.raw)}); best "
-            f"{min(_median(r.lag) / r.raw for r in mine):.1f}x",
+            f"{min(h.median(r.lag) / r.raw for r in mine):.1f}x",
             "<= 2x",
             l_ratio <= 2,
             (
                 "See the phase table: the syncer learns of a commit by polling every "
                 f"poll_interval={args.poll_interval} s (median wait until it sees the record: "
-                f"{h.secs(_median(sees))}), and the closer downloads, combines, encodes and "
+                f"{h.secs(h.median(sees))}), and the closer downloads, combines, encodes and "
                 "uploads (params and momentum) one after another"
             ),
         )

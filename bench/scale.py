@@ -84,8 +84,6 @@ from bench._fleet import (
     Result,
     Run,
     file_target,
-    mean,
-    median,
     memory_target,
     phase_table,
     seaweedfs_target,
@@ -246,7 +244,7 @@ def run(ctx: h.Context) -> h.Report:
 
 def _frag(r: Result, values: Sequence[float]) -> float:
     """The mean over closings, in fragments."""
-    return mean(values) / r.fragment_bytes
+    return h.mean(values) / r.fragment_bytes
 
 
 def _signed(value: float, show: Any) -> str:
@@ -271,7 +269,7 @@ def short_groups(r: Result) -> int:
 
 def busiest(r: Result) -> float:
     """The busiest learner's download per round: a closing's closer's, mean over closings."""
-    return mean(r.closer_down)
+    return h.mean(r.closer_down)
 
 
 def _ratio(a: float, b: float) -> str:
@@ -362,7 +360,7 @@ def build_report(results: list[Result], args: argparse.Namespace) -> h.Report:
                     _grid(m) if m else "-",
                     _lat(d),
                     _lat(m),
-                    _ratio(median(m.lag), median(d.lag)) if d and m else "-",
+                    _ratio(h.median(m.lag), h.median(d.lag)) if d and m else "-",
                     _dl(d),
                     _dl(m),
                     _ratio(busiest(m), busiest(d)) if _measured(d) and _measured(m) else "-",
@@ -469,7 +467,7 @@ def build_report(results: list[Result], args: argparse.Namespace) -> h.Report:
                 "closes_per_round": r.closes,
                 "cpu_seconds": r.cpu_seconds,
                 "requests_by": r.requests_by,
-                "phases_median_s": {k: median(v) for k, v in r.phases.items()},
+                "phases_median_s": {k: h.median(v) for k, v in r.phases.items()},
                 "missed_groups": r.missed_groups,
                 "missed_groups_total": r.missed_total,
                 "short_groups": short_groups(r),
@@ -520,12 +518,12 @@ def build_report(results: list[Result], args: argparse.Namespace) -> h.Report:
         ),
     )
     quantities: list[tuple[str, Any, str]] = [
-        ("commit latency", lambda r: median(r.lag), "s"),
+        ("commit latency", lambda r: h.median(r.lag), "s"),
         ("busiest download / round", busiest, "B"),
         ("requests / learner / round", lambda r: r.requests, ""),
         ("listed keys / learner / round", lambda r: r.listed_keys, ""),
         ("up+down / learner / round", lambda r: r.up_down, "B"),
-        ("closer time", lambda r: median(r.closer_seconds), "s"),
+        ("closer time", lambda r: h.median(r.closer_seconds), "s"),
         ("s / round", lambda r: r.seconds / r.rounds, "s"),
         ("CPU / learner / round", lambda r: r.cpu_seconds / r.rounds / r.learners, "s"),
     ]
@@ -649,7 +647,7 @@ def _measured(r: Result | None) -> TypeGuard[Result]:
 
 
 def _lat(r: Result | None) -> str:
-    return h.secs(median(r.lag)) if r is not None and r.lag else "-"
+    return h.secs(h.median(r.lag)) if r is not None and r.lag else "-"
 
 
 def _requests(r: Result | None) -> str:
@@ -660,7 +658,7 @@ def _dl(r: Result | None) -> str:
     if r is None or not r.closer_down:
         return "-"
     payloads = r.closer_snapshot_payloads
-    return f"{h.size(busiest(r))} ({mean([float(x) for x in payloads]):.2f})"
+    return f"{h.size(busiest(r))} ({h.mean([float(x) for x in payloads]):.2f})"
 
 
 def _per_round(r: Result | None) -> str:

@@ -41,16 +41,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import multiprocessing as mp
-import queue as queue_module
-import shutil
 import sys
 import threading
 import time
-import uuid
 from collections import deque
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +56,7 @@ import torch
 
 import gradientmail as gm
 from bench import _harness as h
+from bench import _procs
 from bench._workload import BATCH, build_model
 from gradientmail import events as ev
 
@@ -314,93 +309,37 @@ def _policy(
 # -- the parent side -------------------------------------------------------------------------
 
 
-def _slug(policy: str) -> str:
-    return policy.replace("=", "").replace("_", "-")
-
-
-@contextmanager
-def _mailboxes(
-    backend: str, workdir: Path, policies: tuple[str, ...]
-) -> Iterator[list[tuple[str, gm.Mailbox]]]:
-    """A fresh mailbox per policy: a directory each, or a prefix each on one SeaweedFS."""
-    if backend == "filesystem":
-        roots = [workdir / f"utilization-{_slug(x)}-{uuid.uuid4().hex[:6]}" for x in policies]
-        try:
-            yield [(x, gm.FileMailbox(root)) for x, root in zip(policies, roots, strict=True)]
-        finally:
-            for root in roots:
-                shutil.rmtree(root, ignore_errors=True)
-        return
-    from tests.support import s3servers
-
-    h.progress("starting SeaweedFS")
-    with s3servers.seaweedfs(workdir / f"seaweedfs-{uuid.uuid4().hex[:6]}") as server:
-        yield [
-            (x, server.mailbox(f"utilization-{_slug(x)}-{uuid.uuid4().hex[:6]}")) for x in policies
-        ]
-
-
 def run_backend(ctx: h.Context, config: Config, backend: str) -> dict[str, Any]:
     """All policies on one backend, in one set of learner processes; per learner results."""
-    spawn = mp.get_context("spawn")
-    with _mailboxes(backend, ctx.workdir, config.policies) as tasks:
-        barrier = spawn.Barrier(config.learners)
-        queue = spawn.Queue()
-        procs = [
-            spawn.Process(
-                target=_learner,
-                args=(i, config, tasks, barrier, queue),
-                name=f"utilization-{i}",
-                daemon=True,
-            )
-            for i in range(config.learners)
-        ]
+    slugs = [f"utilization-{x.replace('=', '').replace('_', '-')}" for x in config.policies]
+    with _procs.stores(backend, ctx.workdir, slugs) as boxes:
+        tasks = list(zip(config.policies, boxes, strict=True))
         h.progress(
             f"{backend}: {config.learners} learner processes, "
             f"{config.params / 1e6:g}M params, {config.steps} steps of {config.step_ms:g} ms, "
             f"policies {', '.join(config.policies)}"
         )
-        for proc in procs:
-            proc.start()
+        procs, queue, _ = _procs.spawn(_learner, config.learners, (config, tasks), "utilization")
         phases = ["bare", *config.policies]
-        expected = config.learners * len(phases)
-        results: dict[tuple[str, int], dict[str, Any]] = {}
-        errors: list[str] = []
         loop_s = config.steps * config.step_ms / 1000
-        deadline = time.monotonic() + 120 + len(phases) * (4 * loop_s + config.timeout)
-        grace: float | None = None
-        try:
-            while len(results) < expected:
-                now = time.monotonic()
-                if now > deadline or (grace is not None and now > grace):
-                    errors.append("gave up waiting for the learners (time limit)")
-                    break
-                try:
-                    item = queue.get(timeout=1)
-                except queue_module.Empty:
-                    if all(p.exitcode is not None for p in procs):
-                        break
-                    continue
-                if "progress" in item:
-                    h.progress(f"{backend}: {item['progress']}")
-                elif "error" in item:
-                    errors.append(f"learner-{item['index']}: {item['error']}")
-                    h.progress(f"{backend}: learner-{item['index']} failed:\n{item['traceback']}")
-                    if grace is None:  # the others fail at the next barrier, or hang
-                        grace = time.monotonic() + 30
-                else:
-                    results[(item["phase"], item["index"])] = item
-                    done = [
-                        x for x in phases if all((x, i) in results for i in range(config.learners))
-                    ]
-                    if item["index"] == 0 or len(done) == len(phases):
-                        h.progress(f"{backend}: {item['phase']}: learner-{item['index']} done")
-        finally:
-            for proc in procs:
-                proc.join(timeout=30 if not errors else 5)
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join(timeout=10)
+        seen: set[tuple[str, int]] = set()
+
+        def heard(item: dict[str, Any]) -> None:
+            seen.add((item["phase"], item["index"]))
+            done = [x for x in phases if all((x, i) in seen for i in range(config.learners))]
+            if item["index"] == 0 or len(done) == len(phases):
+                h.progress(f"{backend}: {item['phase']}: learner-{item['index']} done")
+
+        items, errors = _procs.gather(
+            procs,
+            queue,
+            config.learners * len(phases),
+            backend,
+            limit_s=120 + len(phases) * (4 * loop_s + config.timeout),
+            on_result=heard,
+            join_s=30,
+        )
+    results = {(item["phase"], item["index"]): item for item in items}
     missing = [x for x in phases if any((x, i) not in results for i in range(config.learners))]
     if errors or missing:
         raise RuntimeError(f"{backend}: {'; '.join(errors) or 'no result'} (missing: {missing})")
@@ -411,23 +350,11 @@ def run_backend(ctx: h.Context, config: Config, backend: str) -> dict[str, Any]:
 
 
 def _pct(st: h.Stats) -> str:
-    if st.n == 0:
-        return "-"
-    if st.n == 1 or st.min == st.max:
-        return f"{100 * st.median:.1f}%"
-    return f"{100 * st.median:.1f}% ({100 * st.min:.1f}–{100 * st.max:.1f})"
+    return h.spread(st, lambda v: f"{100 * v:.1f}", "%")
 
 
 def _num(st: h.Stats, digits: int = 0, suffix: str = "") -> str:
-    if st.n == 0:
-        return "-"
-    if st.n == 1 or st.min == st.max:
-        return f"{st.median:.{digits}f}{suffix}"
-    return f"{st.median:.{digits}f}{suffix} ({st.min:.{digits}f}–{st.max:.{digits}f})"
-
-
-def _ratio(st: h.Stats) -> str:
-    return _num(st, 2, "x")
+    return h.spread(st, lambda v: f"{v:.{digits}f}", suffix)
 
 
 def summarize(config: Config, runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
@@ -559,7 +486,7 @@ def run(ctx: h.Context) -> h.Report:
                 backend,
                 label,
                 h.secs_range(_stats(r["wall_s"])),
-                _ratio(_stats(r["wall_over_bare"])),
+                _num(_stats(r["wall_over_bare"]), 2, "x"),
                 _pct(_stats(r["step_fraction"])),
                 _pct(_stats(r["waited_fraction"])),
                 _pct(_stats(r["step_outside_waits_fraction"])),

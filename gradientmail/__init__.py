@@ -6,32 +6,38 @@ here (``__all__``); everything else is private to its package. The layers, lowes
 
 - ``errors.py``, ``events.py``: the exceptions (who is at fault, what to do) and the events
   and counters a Session reports; ``ledger.py``: the host memory the library holds, by
-  purpose (:func:`memory_usage`).
+  purpose (:func:`memory_usage`); ``settings/``: the one home of every setting (torch-free):
+  each algorithm's and compressor's fields, defaults, bounds and capabilities, and which
+  exchange an algorithm's rounds go through (``exchange_kind``).
 - ``mailbox/``: the :class:`Mailbox` Protocol, its backends (memory, file, S3),
   :func:`open_mailbox`, key validation, and a metering wrapper.
 - ``wire/``: every key and record of the protocol (keys, records, payload part indexes); no
   torch.
 - ``coord/``: coordination through create-once writes: jittered retry, leases and the
-  heartbeat task, claim-with-failover, sweeping; no torch. Used by the engine, the
-  patterns and the CLI alike.
+  heartbeat task, the one claim-with-failover loop (``claims.py``), sweep planning; no
+  torch. Used by the engine, the patterns and the CLI alike.
 - ``payload/``: tensors <-> content-addressed safetensors bytes (no pickle), buffer pools.
-- ``algorithms/``: the :class:`Algorithm` protocol the engine calls, :class:`DiLoCo`,
-  :class:`SparseLoCo`, :class:`Moshpit` (small averaging groups on a grid), and the
-  compressors of contributions (:class:`TopK`,
-  :class:`Cast`, :class:`Quantize`).
+- ``algorithms/``: the arithmetic only: the :class:`Algorithm` protocol the engine calls,
+  :class:`DiLoCo`, :class:`SparseLoCo`, :class:`Moshpit` (small averaging groups on a
+  grid), and the compressors of contributions (:class:`TopK`, :class:`Cast`,
+  :class:`Quantize`).
 - ``engine/``: a model as fragments (``layout``), joining and creator failover (``join``),
-  closing rounds (``closer``), recomputing commits (``verify``, public as ``gm.verify``).
-- ``session/``: :class:`Session` (the learner) and :func:`align`.
+  the aligned model (``align``), a round's members, closing and verifying (``members``,
+  ``closer``, ``verify``), and the exchanges a Session drives (``exchange*.py``: run-wide
+  rounds, Moshpit groups).
+- ``session/``: :class:`Session` (the learner): a training loop, a communication thread and
+  one exchange, composed.
 - ``patterns/``: :class:`Barrier` and the Shared Queue, on ``coord/``.
+- ``inspect/``: a read-only view of a run (CLI, operator); its ``_groups.py`` reads
+  and shows a Moshpit run's group rounds, ``_traffic.py`` sizes the bytes moved.
 - ``launch/``: the ``GradientMailRun`` model and the node environment (:class:`NodeEnv`,
-  what a node's own script reads).
+  what a node's own script reads); it builds Sessions, so it sits above ``session/``.
+- ``testing/``: the mailbox contract suite, fault injectors and the whole-tensor reference
+  combine, for users' own tests.
+- ``cli/``: the ``gradientmail`` command (``_command.py`` is its entry point).
 - ``demo/``: not the library: the built-in node (``python -m gradientmail.demo.node``), its
   language model and corpus (shared with ``bench/quality.py``) and what ``gradientmail
   run`` shows of it; ``node.py`` keeps the node's old path (``gradientmail.node``) working.
-- ``inspect/``: a read-only view of a run (CLI, operator); its ``_groups.py`` reads
-  and shows a Moshpit run's group rounds, ``_traffic.py`` sizes the bytes moved.
-- ``cli/``: the ``gradientmail`` command; ``testing/``: the mailbox contract suite and fault
-  injectors, for users' own tests.
 """
 
 from typing import TYPE_CHECKING, Any

@@ -14,9 +14,10 @@ Subcommands, one file each:
 - ``sweep`` and ``rm`` (``housekeeping.py``): deleting, after a confirmation.
 - ``demo`` (``demo.py``): the bare mailbox coordination, without training.
 
-``_common.py`` opens URLs with clear errors (bad URL, unreachable store, empty or foreign
-prefix) and bounded waits (``--store-timeout``). Exit status: 0 ok, 1 failed, 2 bad usage
-(URL, flag, spec file), 130 on Ctrl-C.
+``__main__.py`` makes ``python -m gradientmail.cli`` the command. ``_common.py`` opens URLs
+with clear errors (bad URL, unreachable store, empty or foreign prefix) and bounded waits
+(``--store-timeout``). Exit status: 0 ok, 1 failed, 2 bad usage (URL, flag, spec file), 130
+on Ctrl-C.
 
 Every failure is one line on stderr, ``gradientmail COMMAND: what went wrong``; with
 ``--debug`` (or ``GRADIENTMAIL_DEBUG=1``) the traceback is printed too. URLs are shown with

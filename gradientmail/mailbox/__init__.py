@@ -15,6 +15,7 @@ Files of this package:
 - ``s3.py``: :class:`S3Mailbox`, any S3-compatible store through boto3 with
   ``If-None-Match: *`` conditional puts.
 - ``url.py``: :func:`open_mailbox`, from ``s3://``, ``file://`` and ``memory://`` URLs.
+- ``metered.py``: :class:`Metered`, a wrapper counting a Session's requests and bytes by kind.
 
 The contract suite every backend must pass lives in :mod:`gradientmail.testing`.
 """

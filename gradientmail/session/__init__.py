@@ -1,4 +1,4 @@
-"""The learner: :class:`Session` (joins a run and trains in it) and :func:`align`.
+"""The learner: :class:`Session` (joins a run and trains in it).
 
 - ``session.py``: :class:`Session`: its settings, joining, and its public surface
   (``step``, ``sync``, ``close``, counters); it composes the pieces below and ONE exchange
@@ -12,11 +12,11 @@
   (publish through the exchange, lease, close) and the syncer (the exchange's poll);
 - ``_resume.py``: :class:`Resume`, resume saves (``optimizer=``): the optimizer's state
   and the counters stored every few sync points and loaded when the learner restarts;
-  ``_optstate.py``: an optimizer's ``state_dict()`` as tagged JSON and tensors (no pickle);
-- ``_align.py``: :func:`align`, the newest commits into a model without joining.
+  ``_optstate.py``: an optimizer's ``state_dict()`` as tagged JSON and tensors (no pickle).
+
+Loading a run's model without joining (:func:`gradientmail.align`) is ``engine/align.py``.
 """
 
-from gradientmail.session._align import align
 from gradientmail.session.session import Session
 
-__all__ = ["Session", "align"]
+__all__ = ["Session"]

@@ -1,4 +1,5 @@
-"""The Moshpit arms of the quality benchmark (``bench/quality_moshpit.py``) on tiny sizes.
+"""The Moshpit arms of the quality benchmark (``bench/quality_moshpit.py``, run by
+``bench/quality.py`` with ``moshpit`` among its arms) on tiny sizes.
 
 One run of the ``--tiny`` configuration: 4 learner processes per arm (DiLoCo, and Moshpit
 on a full 2x2 grid), ``gm.align`` in a separate process, ``ddp`` and ``solo-average`` over
@@ -23,6 +24,7 @@ import torch
 import gradientmail as gm
 from bench import _harness as h
 from bench import _quality_worker as worker
+from bench import quality
 from bench import quality_moshpit as qm
 
 
@@ -71,18 +73,21 @@ def test_tiny_run_moshpit_beside_diloco(tmp_path: Path) -> None:
         large=False,
         workdir=tmp_path,
         options={
-            qm.NAME: {
-                "tiny": True,
-                "learners": learners,
-                "grids": [[2, 2]],
-                "poll_interval": 0.1,
-                "round_timeout": 300.0,
+            quality.NAME: {
+                "arms": ["moshpit"],
+                qm.OPTIONS: {
+                    "tiny": True,
+                    "learners": learners,
+                    "grids": [[2, 2]],
+                    "poll_interval": 0.1,
+                    "round_timeout": 300.0,
+                },
             }
         },
     )
-    report = qm.run(ctx)
+    report = quality.run(ctx)
     assert report.error is None
-    rows = {row["key"]: row for row in report.data["arms"]}
+    rows = {row["key"]: row for row in report.data[qm.OPTIONS]["arms"]}
     assert set(rows) == {"diloco-4", "moshpit-M2", "ddp-4", "solo-average-4"}
     for row in rows.values():
         assert row["error"] is None, row
@@ -128,4 +133,4 @@ def test_tiny_run_moshpit_beside_diloco(tmp_path: Path) -> None:
     rendered = report.render()
     assert "vs diloco-4" in rendered
     assert "Moshpit group rounds" in rendered
-    assert json.loads(json.dumps(report.to_json(), default=str))["data"]["arms"]
+    assert json.loads(json.dumps(report.to_json(), default=str))["data"][qm.OPTIONS]["arms"]
