@@ -176,8 +176,11 @@ class Arm:
     late: int | None = None
     mixing: float | None = None  # Streaming DiLoCo's blend of a late commit (None: rebase)
     backend: str = ""
-    algorithm: dict[str, Any] | None = None  # compressed arms: the learners' algorithm
+    algorithm: dict[str, Any] | None = None  # compressed and Moshpit arms: the learners'
+    learners: int | None = None  # learner processes or in-process shards (None: M)
+    described: str | None = None  # the setting column, where given (the Moshpit arms)
     final_loss: float = math.nan
+    learner_losses: list[float] = field(default_factory=list)  # each learner's own model
     curve: list[tuple[int, float]] = field(default_factory=list)
     wall_s: float = math.nan
     error: str | None = None
@@ -185,6 +188,8 @@ class Arm:
 
     @property
     def setting(self) -> str:
+        if self.described is not None:
+            return self.described
         parts = []
         if self.sync_every is not None:
             parts.append(f"H={self.sync_every}")
@@ -231,10 +236,12 @@ class Bench:
         self.params: dict[str, Path] = {}  # arm key -> its final parameters
         self.timeout_scale = float(ctx.options.get("quality", {}).get("timeout_scale", 1.0))
 
-    # Timeouts: generous multiples of the expected time on a loaded 2-core machine.
-    def _train_timeout(self, family: str) -> float:
+    # Timeouts: generous multiples of the expected time on a loaded 2-core machine; more
+    # learner processes than M share the cores.
+    def _train_timeout(self, family: str, learners: int | None = None) -> float:
         _, steps = self.sizes.family(family)
-        return self.timeout_scale * (300 + 1.5 * steps)
+        share = 1.0 if learners is None else max(1.0, learners / self.parallel)
+        return self.timeout_scale * (300 + 1.5 * steps * share)
 
     def inprocess_job(
         self,
@@ -244,7 +251,10 @@ class Bench:
         sync_every: int = 25,
         fragments: int = 1,
         late: int = 0,
+        learners: int | None = None,
     ) -> Job:
+        """An arm computed in one process; ``learners``: ``ddp`` or ``solo-average`` over
+        that many shards (``_quality_worker.inprocess_n``)."""
         save = self.dir / f"{key}.params.pt"
         self.params[key] = save
         spec = {
@@ -258,8 +268,9 @@ class Bench:
             "late": late,
             "tail": True,
             "save": str(save),
+            **({"learners": learners} if learners is not None else {}),
         }
-        return Job(key, spec, self._train_timeout(family) * (M + 1), self.dir)
+        return Job(key, spec, self._train_timeout(family) * ((learners or M) + 1), self.dir)
 
     def record_inprocess(self, job: Job, arm: Arm) -> None:
         self.arms[arm.key] = arm
@@ -272,6 +283,7 @@ class Bench:
         arm.final_loss = float(value["final_loss"])
         arm.curve = [(int(x), float(y)) for x, y in value["curve"]]
         arm.wall_s = float(value["wall_s"])
+        arm.learner_losses = [float(x) for x in value.get("learner_losses") or []]
         arm.data = {
             k: value[k]
             for k in ("train_loss", "sync_points", "rounds", "extra", "gradientmail_file")
@@ -321,14 +333,23 @@ class Bench:
         run_together([ev], self.env, f"{label} evaluation")
         return results, ev.value(), processes_s
 
-    def run_diloco(self, arm: Arm, box: Callable[[], dict[str, Any]]) -> None:
-        """M learner processes on the mailbox ``box()`` describes, then ``gm.align``."""
+    def run_diloco(
+        self,
+        arm: Arm,
+        box: Callable[[], dict[str, Any]],
+        learner: Callable[[int], dict[str, Any]] = lambda i: {},
+        evaluation: Mapping[str, Any] | None = None,
+    ) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
+        """``arm.learners`` (M) learner processes on the mailbox ``box()`` describes, then
+        ``gm.align``; ``learner(i)`` and ``evaluation``: more of their jobs' settings. The
+        learners' and the evaluation's results; None when they failed."""
         self.arms[arm.key] = arm
         assert arm.sync_every is not None
         assert arm.fragments is not None
         mailbox = box()
-        timeout = self._train_timeout(arm.family) * 2
+        timeout = self._train_timeout(arm.family, arm.learners) * 2
         save = self.dir / f"{arm.key}.params.pt"
+        n = {"learners": arm.learners} if arm.learners is not None else {}
         try:
             results, ev, processes_s = self.run_learners(
                 arm.key,
@@ -343,12 +364,16 @@ class Bench:
                     **({"algorithm": arm.algorithm} if arm.algorithm is not None else {}),
                     "mailbox": mailbox,
                     "timeout": timeout - 60,
+                    **n,
+                    **learner(i),
                 },
                 {
                     "family": arm.family,
                     "fragments": arm.fragments,
                     "mailbox": mailbox,
                     "save": str(save),
+                    **n,
+                    **(evaluation or {}),
                 },
                 timeout,
             )
@@ -356,9 +381,10 @@ class Bench:
             arm.error = str(exc).splitlines()[0]
             arm.data["log"] = str(exc)
             h.progress(f"{arm.label()}: FAILED {exc}")
-            return
+            return None
         self.params[arm.key] = save
         arm.final_loss = float(ev["final_loss"])
+        arm.learner_losses = [float(x) for x in ev.get("learner_losses", [])]
         arm.curve = [(int(x), float(y)) for x, y in ev.get("curve", [])]
         arm.wall_s = max(r["train_s"] + r["close_s"] for r in results)
         arm.data = summarize(results, ev, processes_s)
@@ -368,6 +394,7 @@ class Bench:
             f"{arm.data['skipped']}, lag {arm.data['lag_steps_median']} steps "
             f"({arm.wall_s:.0f} s)"
         )
+        return results, ev
 
     def file_box(self) -> dict[str, Any]:
         return {"kind": "file", "root": str(self.dir / f"mailbox-{uuid.uuid4().hex[:6]}")}

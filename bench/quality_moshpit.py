@@ -45,7 +45,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +57,6 @@ import torch
 from bench import _harness as h
 from bench import _lm
 from bench import quality as q
-from bench._procs import Job, JobFailed, run_pool
 
 NAME = "quality-moshpit"
 OPTIONS = "moshpit"  # their options: ctx.options["quality"]["moshpit"]
@@ -185,34 +184,26 @@ def split_shards(
 # -- the arms --------------------------------------------------------------------------------
 
 
-@dataclass
-class Row:
-    """One arm of the report."""
+def grid_of(arm: q.Arm) -> Grid | None:
+    """A Moshpit arm's grid, from its learners' algorithm; None for the other arms."""
+    settings = (arm.algorithm or {}).get("settings")
+    return Grid(int(settings["group_size"]), int(settings["grid_dims"])) if settings else None
 
-    key: str
-    kind: str  # diloco, moshpit, ddp, solo-average
-    setting: str
-    grid: Grid | None = None
-    final_loss: float = math.nan
-    learner_losses: list[float] = field(default_factory=list)
-    curve: list[tuple[int, float]] = field(default_factory=list)
-    wall_s: float = math.nan
-    error: str | None = None
-    data: dict[str, Any] = field(default_factory=dict)
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "key": self.key,
-            "kind": self.kind,
-            "setting": self.setting,
-            "grid": None if self.grid is None else [self.grid.group_size, self.grid.grid_dims],
-            "final_loss": self.final_loss,
-            "learner_losses": self.learner_losses,
-            "curve": self.curve,
-            "wall_s": self.wall_s,
-            "error": self.error,
-            "data": self.data,
-        }
+def arm_json(arm: q.Arm) -> dict[str, Any]:
+    grid = grid_of(arm)
+    return {
+        "key": arm.key,
+        "kind": arm.arm,
+        "setting": arm.setting,
+        "grid": None if grid is None else [grid.group_size, grid.grid_dims],
+        "final_loss": arm.final_loss,
+        "learner_losses": arm.learner_losses,
+        "curve": arm.curve,
+        "wall_s": arm.wall_s,
+        "error": arm.error,
+        "data": arm.data,
+    }
 
 
 def wanted(arms: set[str]) -> bool:
@@ -224,111 +215,36 @@ def _options(ctx: h.Context) -> dict[str, Any]:
     return dict(ctx.options.get(q.NAME, {}).get(OPTIONS) or {})
 
 
-class Run:
-    """The Moshpit comparison's settings, on the quality benchmark's :class:`quality.Bench`."""
-
-    def __init__(self, ctx: h.Context, sizes: _lm.Sizes, learners: int) -> None:
-        options = _options(ctx)
-        self.bench = q.Bench(ctx, sizes)
-        self.sizes = sizes
-        self.learners = learners
-        self.round_timeout = float(options.get("round_timeout", ROUND_TIMEOUT))
-        self.lease_timeout = float(options.get("lease_timeout", LEASE_TIMEOUT))
-        self.poll_interval = options.get("poll_interval")
-        self.rows: dict[str, Row] = {}
-
-    def train_timeout(self) -> float:
-        """A generous bound on one arm's training: N processes share the cores."""
-        share = max(1.0, self.learners / max(1, self.bench.parallel))
-        return self.bench.timeout_scale * (300 + 1.5 * self.sizes.steps * share)
-
-    def run_learners(self, row: Row, algorithm: Mapping[str, Any] | None) -> None:
-        """N learner processes on a new file mailbox, then ``gm.align`` and the learners'
-        own models evaluated in another process."""
-        self.rows[row.key] = row
-        h_every = min(self.sizes.sync_every)
-        mailbox = {"kind": "file", "root": str(self.bench.dir / f"mailbox-{row.key}")}
-        timeout = self.train_timeout() * 2
-        params = [self.bench.dir / f"{row.key}.learner-{i}.params.pt" for i in range(self.learners)]
-        common = {"family": "main", "learners": self.learners, "sync_every": h_every}
-        try:
-            results, ev, processes_s = self.bench.run_learners(
-                row.key,
-                f"{row.key} ({row.setting})",
-                lambda i: (
-                    common
-                    | {
-                        "learner": i,
-                        "fragments": 1,
-                        **({"algorithm": dict(algorithm)} if algorithm is not None else {}),
-                        "mailbox": mailbox,
-                        "timeout": timeout - 60,
-                        "round_timeout": self.round_timeout,
-                        "lease_timeout": self.lease_timeout,
-                        "poll_interval": self.poll_interval,
-                        "save_params": str(params[i]),
-                    }
-                ),
-                common
-                | {
-                    "fragments": 1,
-                    "mailbox": mailbox,
-                    "learner_params": [str(p) for p in params],
-                    "groups": row.grid is not None,
-                },
-                timeout,
-            )
-        except JobFailed as exc:
-            row.error = str(exc).splitlines()[0]
-            row.data["log"] = str(exc)
-            h.progress(f"{row.key}: FAILED {exc}")
-            return
-        row.final_loss = float(ev["final_loss"])
-        row.learner_losses = [float(x) for x in ev.get("learner_losses", [])]
-        row.curve = [(int(x), float(y)) for x, y in ev.get("curve", [])]
-        row.wall_s = max(r["train_s"] + r["close_s"] for r in results)
-        row.data = q.summarize(results, ev, processes_s)
-        row.data |= traffic(results, ev, row.grid, self.learners)
-        h.progress(
-            f"{row.key}: validation loss {row.final_loss:.4f} (own {_spread(row)}), "
-            f"{row.data['rounds_per_learner']:.1f} rounds/learner, missed groups "
-            f"{row.data['missed_groups']}, {row.wall_s:.0f} s"
-        )
-
-    def run_inprocess(self, kinds: Sequence[str]) -> None:
-        """``ddp`` and ``solo-average`` over the N shards, a few at a time."""
-        jobs: dict[str, tuple[Row, Job]] = {}
-        for kind in kinds:
-            key = f"{kind}-{self.learners}"
-            row = Row(key, kind, "-")
-            spec = {
-                "mode": "inprocess",
-                "sizes": self.sizes.to_json(),
-                "data": str(self.bench.data),
-                "arm": kind,
-                "family": "main",
-                "learners": self.learners,
-            }
-            timeout = self.bench.timeout_scale * (300 + 1.5 * self.sizes.steps * self.learners)
-            jobs[key] = (row, Job(key, spec, timeout, self.bench.dir))
-            self.rows[key] = row
-
-        def done(job: Job) -> None:
-            row = jobs[job.name][0]
-            try:
-                value = job.value()
-            except JobFailed as exc:
-                row.error = str(exc).splitlines()[0]
-                h.progress(f"{row.key}: FAILED {exc}")
-                return
-            row.final_loss = float(value["final_loss"])
-            row.curve = [(int(x), float(y)) for x, y in value["curve"]]
-            row.wall_s = float(value["wall_s"])
-            row.learner_losses = [float(x) for x in value.get("learner_losses", [])]
-            row.data = {"train_loss": value["train_loss"]}
-            h.progress(f"{row.key}: validation loss {row.final_loss:.4f} ({row.wall_s:.0f} s)")
-
-        run_pool([job for _, job in jobs.values()], self.bench.parallel, self.bench.env, done)
+def run_learners(bench: q.Bench, arm: q.Arm, options: Mapping[str, Any]) -> None:
+    """``arm.learners`` learner processes on a new file mailbox (:meth:`quality.Bench.run_diloco`,
+    with this comparison's timeouts), then ``gm.align`` and the learners' own models
+    evaluated in another process."""
+    assert arm.learners is not None
+    grid = grid_of(arm)
+    params = [bench.dir / f"{arm.key}.learner-{i}.params.pt" for i in range(arm.learners)]
+    done = bench.run_diloco(
+        arm,
+        bench.file_box,
+        lambda i: {
+            "round_timeout": float(options.get("round_timeout", ROUND_TIMEOUT)),
+            "lease_timeout": float(options.get("lease_timeout", LEASE_TIMEOUT)),
+            "poll_interval": options.get("poll_interval"),
+            "save_params": str(params[i]),
+        },
+        {
+            "sync_every": arm.sync_every,
+            "learner_params": [str(p) for p in params],
+            "groups": grid is not None,
+        },
+    )
+    if done is None:
+        return
+    arm.data |= traffic(*done, grid, arm.learners)
+    h.progress(
+        f"{arm.key}: validation loss {arm.final_loss:.4f} (own {_spread(arm)}), "
+        f"{arm.data['rounds_per_learner']:.1f} rounds/learner, missed groups "
+        f"{arm.data['missed_groups']}, {arm.wall_s:.0f} s"
+    )
 
 
 def traffic(
@@ -385,7 +301,7 @@ def traffic(
     return out
 
 
-def _spread(row: Row) -> str:
+def _spread(row: q.Arm) -> str:
     if not row.learner_losses:
         return "-"
     values = row.learner_losses
@@ -418,51 +334,56 @@ def run_arms(ctx: h.Context, report: h.Report) -> None:
             "data, same run)"
         )
     started = time.monotonic()
-    bench = Run(ctx, sizes, learners)
+    bench = q.Bench(ctx, sizes)
     try:
         h.progress("reading the standard library's sources")
         corpus = _lm.build_corpus(sizes)
         shards, what = split_shards(corpus.shards, learners)
-        torch.save({"shards": shards, "val": corpus.val}, bench.bench.data)
+        torch.save({"shards": shards, "val": corpus.val}, bench.data)
         library = q.library_commit() | {"gradientmail_file": gm.__file__}
         params = _lm.param_count(sizes.model, sizes.context)
         h.progress(
             f"corpus: {corpus.train_bytes / 1e6:.1f} MB train in {learners} shards; model "
             f"{params / 1e6:.3f}M params; {sizes.steps} steps of B={sizes.batch}, H={h_every}"
         )
-        bench.run_learners(
-            Row(f"diloco-{learners}", "diloco", f"DiLoCo H={h_every} F=1"),
-            None,
-        )
-        for grid in grids:
-            bench.run_learners(
-                Row(
-                    grid.key,
-                    "moshpit",
-                    f"Moshpit H={h_every} {grid.describe(learners)}",
-                    grid=grid,
-                ),
-                grid.spec(),
-            )
-        if options.get("inprocess", True):
-            bench.run_inprocess(["ddp", "solo-average"])
-        build_report(report, bench, corpus, what, sizes, library, params)
+        arms: list[tuple[str, str, str, dict[str, Any] | None]] = [
+            (f"diloco-{learners}", "diloco", f"DiLoCo H={h_every} F=1", None)
+        ]
+        arms += [
+            (g.key, "moshpit", f"Moshpit H={h_every} {g.describe(learners)}", g.spec())
+            for g in grids
+        ]
+        for key, kind, described, algorithm in arms:
+            arm = q.Arm(key, kind, "main", h_every, 1, backend="file", algorithm=algorithm)
+            arm.learners, arm.described = learners, described
+            run_learners(bench, arm, options)
+        if options.get("inprocess", True):  # ddp and solo-average over the N shards
+            specs = []
+            for kind in ("ddp", "solo-average"):
+                key = f"{kind}-{learners}"
+                bench.arms[key] = q.Arm(key, kind, "main", learners=learners)  # the table's order
+                specs.append(
+                    (bench.arms[key], bench.inprocess_job(key, kind, "main", learners=learners))
+                )
+            bench.run_inprocess(specs)
+        build_report(report, bench.arms, options, corpus, what, sizes, library, params, learners)
         report.data[OPTIONS]["seconds"] = time.monotonic() - started
     finally:
         if not ctx.options.get(q.NAME, {}).get("keep_workdir"):
-            shutil.rmtree(bench.bench.dir, ignore_errors=True)
+            shutil.rmtree(bench.dir, ignore_errors=True)
 
 
 def build_report(
     report: h.Report,
-    bench: Run,
+    rows: Mapping[str, q.Arm],
+    options: Mapping[str, Any],
     corpus: _lm.Corpus,
     what: Sequence[Mapping[str, Any]],
     sizes: _lm.Sizes,
     library: Mapping[str, Any],
     params: int,
+    n: int,
 ) -> None:
-    n = bench.learners
     h_every = min(sizes.sync_every)
     data = report.table(
         f"Data: the stdlib's .py sources ({corpus.files} files), {n} non-IID shards",
@@ -491,7 +412,6 @@ def build_report(
             entry["part"],
             h.size(float(entry["bytes"])),
         )
-    rows = bench.rows
     ref = rows.get(f"diloco-{n}")
     ref_loss = ref.final_loss if ref is not None and not ref.error else math.nan
     table = report.table(
@@ -540,12 +460,12 @@ def build_report(
             _spread(row),
             h.num(d.get("rounds_per_learner"), "{:.1f}") if per else "-",
             f"{h.size(per['total'])} (up {h.size(per['up'])})" if per else "-",
-            h.num(d.get("missed_groups")) if row.grid else "-",
-            str(len(d.get("short_groups") or [])) if row.grid else "-",
+            h.num(d.get("missed_groups")) if grid_of(row) else "-",
+            str(len(d.get("short_groups") or [])) if grid_of(row) else "-",
             f"{h.num(waits)} ({h.num(d.get('waited_s_max'), '{:.1f}')})" if per else "-",
             h.secs(row.wall_s),
         )
-    moshpit = [r for r in rows.values() if r.grid is not None]
+    moshpit = [r for r in rows.values() if grid_of(r) is not None]
     if moshpit:
         groups = report.table(
             "Moshpit group rounds (from the mailbox after the run)",
@@ -566,15 +486,16 @@ def build_report(
             ),
         )
         for row in moshpit:
-            assert row.grid is not None
             d = row.data
+            grid = grid_of(row)
+            assert grid is not None
             if row.error:
-                groups.add(row.key, row.grid.describe(n), f"ERROR: {row.error}", *[""] * 6)
+                groups.add(row.key, grid.describe(n), f"ERROR: {row.error}", *[""] * 6)
                 continue
             shapes = ", ".join(f"{k}: {v}" for k, v in (d.get("group_sizes") or {}).items())
             groups.add(
                 row.key,
-                row.grid.describe(n),
+                grid.describe(n),
                 d.get("group_rounds"),
                 d.get("group_commits"),
                 shapes or "-",
@@ -595,8 +516,9 @@ def build_report(
             )
             continue
         gap = row.final_loss / ref_loss - 1
+        grid = grid_of(row)
         report.target(
-            f"{row.key} ({row.grid.describe(n) if row.grid else ''}) validation loss within "
+            f"{row.key} ({grid.describe(n) if grid else ''}) validation loss within "
             f"3% of diloco-{n}",
             f"{row.final_loss:.4f} vs {ref_loss:.4f} ({100 * gap:+.2f}%)",
             f"<= +{100 * TARGET:.0f}%",
@@ -617,9 +539,11 @@ def build_report(
     if solo is not None and not solo.error and not math.isnan(ref_loss):
         report.notes.append(scale_note(solo, ref_loss, rows.get(f"ddp-{n}"), moshpit, n))
     report.notes.append(
-        f"Learners: {n} processes, round_timeout {bench.round_timeout:g} s, lease_timeout "
-        f"{bench.lease_timeout:g} s, overlap: the Session default; grid slots are claimed in "
-        "join order, so which shard sits in which cell varies between runs."
+        f"Learners: {n} processes, round_timeout "
+        f"{float(options.get('round_timeout', ROUND_TIMEOUT)):g} s, lease_timeout "
+        f"{float(options.get('lease_timeout', LEASE_TIMEOUT)):g} s, overlap: the Session "
+        "default; grid slots are claimed in join order, so which shard sits in which cell "
+        "varies between runs."
     )
     report.data[OPTIONS] = {
         "learners": n,
@@ -628,11 +552,13 @@ def build_report(
         "corpus": corpus.describe(),
         "shards": list(what),
         "target": TARGET,
-        "arms": [row.to_json() for row in rows.values()],
+        "arms": [arm_json(row) for row in rows.values()],
     }
 
 
-def scale_note(solo: Row, ref_loss: float, ddp: Row | None, moshpit: Sequence[Row], n: int) -> str:
+def scale_note(
+    solo: q.Arm, ref_loss: float, ddp: q.Arm | None, moshpit: Sequence[q.Arm], n: int
+) -> str:
     """How wide the target's 3% is at this size: the gap no communication at all leaves,
     and the share of it each Moshpit arm closes."""
     gap = solo.final_loss - ref_loss

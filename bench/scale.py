@@ -242,11 +242,6 @@ def run(ctx: h.Context) -> h.Report:
 # -- the report ------------------------------------------------------------------------------
 
 
-def _frag(r: Result, values: Sequence[float]) -> float:
-    """The mean over closings, in fragments."""
-    return h.mean(values) / r.fragment_bytes
-
-
 def _signed(value: float, show: Any) -> str:
     return f"-{show(-value)}" if value < 0 else show(value)
 
