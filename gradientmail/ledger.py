@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections import deque
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -85,15 +86,31 @@ class Ledger:
         self._total = 0
         self._peak_total = 0
         self._pools: list[weakref.ref[_Pool]] = []
+        # Frees reported by finalizers (track()): a finalizer runs when the garbage
+        # collector does, which may be inside one of this class's own `with self._lock`
+        # blocks on the same thread; taking the (non-reentrant) lock there would deadlock
+        # the thread for ever. So a finalizer only appends here (atomic, lock-free), and
+        # every locked section applies what is queued.
+        self._freed: deque[tuple[str, int]] = deque()
 
     def add(self, purpose: str, nbytes: int) -> None:
         if purpose not in self._live:
             raise ValueError(f"unknown memory purpose {purpose!r} (one of {PURPOSES})")
         with self._lock:
-            live = self._live[purpose] = self._live[purpose] + nbytes
-            self._peak[purpose] = max(self._peak[purpose], live)
-            self._total += nbytes
-            self._peak_total = max(self._peak_total, self._total)
+            self._apply_freed()
+            self._charge(purpose, nbytes)
+
+    def _charge(self, purpose: str, nbytes: int) -> None:
+        live = self._live[purpose] = self._live[purpose] + nbytes
+        self._peak[purpose] = max(self._peak[purpose], live)
+        self._total += nbytes
+        self._peak_total = max(self._peak_total, self._total)
+
+    def _apply_freed(self) -> None:
+        """Apply the frees finalizers queued (under the lock)."""
+        while self._freed:
+            purpose, nbytes = self._freed.popleft()
+            self._charge(purpose, -nbytes)
 
     def sub(self, purpose: str, nbytes: int) -> None:
         self.add(purpose, -nbytes)
@@ -110,7 +127,7 @@ class Ledger:
     def track(self, purpose: str, owner: object, nbytes: int) -> None:
         """Charge ``nbytes`` to ``purpose`` until ``owner`` (a tensor's storage) is freed."""
         self.add(purpose, nbytes)
-        weakref.finalize(owner, self.sub, purpose, nbytes)
+        weakref.finalize(owner, self._freed.append, (purpose, nbytes))
 
     def watch_pool(self, pool: _Pool) -> None:
         """Report ``pool.idle_bytes()`` under ``idle`` while the pool lives."""
@@ -124,6 +141,7 @@ class Ledger:
             pools = [pool for ref in self._pools if (pool := ref()) is not None]
         idle = sum(pool.idle_bytes() for pool in pools)
         with self._lock:
+            self._apply_freed()
             usage = MemoryUsage(
                 live=MappingProxyType(dict(self._live)),
                 peak=MappingProxyType(dict(self._peak)),

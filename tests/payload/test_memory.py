@@ -347,3 +347,32 @@ def test_blobs_that_hash_beside_their_join_encode_side_by_side() -> None:
     assert all(not p.is_parts_key(key) for key, _ in keys)
     for (key, _), tensors in zip(keys, payloads, strict=True):
         assert torch.equal(go(get_tensors(box, key))["w"], tensors["w"])
+
+
+def test_a_free_found_by_the_garbage_collector_inside_the_ledgers_lock_does_not_deadlock() -> None:
+    """A tracked tensor's finalizer can run whenever the collector does, including inside
+    the ledger's own locked section on the same thread (seen: the fault suite's verify hung
+    for ever in ``Ledger.add``). Its free is queued and applied by the next locked section."""
+    import threading
+
+    from gradientmail.ledger import Ledger
+
+    ledger = Ledger()
+    tensor = torch.zeros(256)
+    ledger.track(GLOBAL, tensor.untyped_storage(), 1024)
+    assert ledger.usage().live[GLOBAL] == 1024
+    done = threading.Event()
+
+    def free_inside_the_lock() -> None:
+        nonlocal tensor
+        with ledger._lock:  # what a collection during add() or usage() amounts to
+            del tensor  # the storage's last reference: its finalizer runs right here
+            gc.collect()
+        done.set()
+
+    worker = threading.Thread(target=free_inside_the_lock, daemon=True)
+    worker.start()
+    assert done.wait(timeout=30), "the finalizer blocked on the ledger's lock"
+    assert ledger.usage().live[GLOBAL] == 0
+    ledger.add(GLOBAL, 10)
+    assert ledger.usage().live[GLOBAL] == 10
