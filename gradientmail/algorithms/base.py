@@ -30,7 +30,6 @@ from typing import Any, Protocol, Self, runtime_checkable
 import torch
 
 from gradientmail.ledger import COMBINE, LEDGER
-from gradientmail.settings import describe_algorithm
 from gradientmail.wire import TensorSpec
 
 __all__ = ["Algorithm", "Contribution", "Tensors", "accumulate"]
@@ -112,12 +111,11 @@ ALGORITHMS: dict[str, type[Algorithm]] = {}
 
 
 def register(cls: type[Algorithm]) -> type[Algorithm]:
-    """Make ``cls`` readable from a manifest (by its ``name``); a class the settings
-    registry does not list gets an entry there (run-wide rounds, its own validation)."""
-    name = cls.__name__.lower()
-    ALGORITHMS[name] = cls
-    summary = (cls.__doc__ or "").strip().split("\n", 1)[0]
-    describe_algorithm(name, cls.__name__, summary)
+    """Make ``cls`` readable from a manifest (by its ``name``). A class the settings
+    registry does not list validates its own settings, and its rounds are exchanged
+    run-wide (``settings.exchange_kind``); the registry itself, what the CLI, the run spec
+    and the CRD offer, is not changed by it."""
+    ALGORITHMS[cls.__name__.lower()] = cls
     return cls
 
 

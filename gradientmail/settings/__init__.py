@@ -62,7 +62,6 @@ __all__ = [
     "compression_to_text",
     "compressor_info",
     "dense_every",
-    "describe_algorithm",
     "exchange_kind",
     "exchange_of",
     "owners",
@@ -94,15 +93,6 @@ def check(owner: str, fields: tuple[Setting, ...], obj: object) -> None:
     bad one raising ``{owner}({name}={value!r}) must be {rule}``."""
     for setting in fields:
         setting.check(owner, getattr(obj, setting.name))
-
-
-def describe_algorithm(name: str, title: str, description: str) -> AlgorithmInfo:
-    """The entry of an algorithm the registry does not list (a class of your own,
-    ``gradientmail.algorithms.base.register``): exchanged in run-wide rounds, no settings
-    described here (its class validates its own). A listed name keeps its entry."""
-    if name not in ALGORITHMS:
-        ALGORITHMS[name] = AlgorithmInfo(name, title, description, "rounds", ())
-    return ALGORITHMS[name]
 
 
 def exchange_of(name: str) -> ExchangeKind:

@@ -509,7 +509,11 @@ spec:
 @pytest.mark.parametrize(
     ("text", "flags", "message"),
     [
-        (RESOURCE.format(sync_every=0), [], "run.yaml:8: spec.algorithm.syncEvery: Input should"),
+        (
+            RESOURCE.format(sync_every=0),
+            [],
+            "run.yaml:8: spec.algorithm.syncEvery: must be an int >= 1 (got 0)",
+        ),
         (RESOURCE.format(sync_every=10) + "  colour: blue\n", [], "run.yaml:10: spec.colour: "),
         (RESOURCE.format(sync_every=1), [], "run.yaml:7: spec.algorithm: algorithm.fragments"),
         ("nodes: 2\nalgorithm: {steps: many}\n", [], "run.yaml:2: spec.algorithm.steps: Input"),
