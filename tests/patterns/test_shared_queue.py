@@ -16,7 +16,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +26,7 @@ import gradientmail as gm
 from gradientmail.patterns.barrier import Barrier
 from gradientmail.patterns.shared_queue import (
     DONE,
+    QUEUE_LEASES,
     RECLAIMS,
     UNITS,
     SharedQueue,
@@ -329,13 +330,46 @@ class _StepClock:
         return self.now
 
 
+class _SeenBeatsMove(gm.Mailbox):
+    """The waiting node's view of the store: its clock moves by a third of the lease for
+    each new beat of ``node`` that one of its own listings shows, and only then. A clock
+    moved by beats the test saw instead would race the observer's polling: on a loaded
+    machine three beats can land between two of its listings, and the lease it judges
+    would age by a whole ``lease`` without it having seen any of them."""
+
+    def __init__(self, inner: gm.Mailbox, clock: _StepClock, node: str, lease: float) -> None:
+        self.inner, self.clock, self.lease = inner, clock, lease
+        self.prefix = f"{QUEUE_LEASES}{node}/"
+        self.newest = -1
+
+    async def put_if_absent(self, key: str, data: bytes) -> bool:
+        return await self.inner.put_if_absent(key, data)
+
+    async def get(self, key: str) -> bytes | None:
+        return await self.inner.get(key)
+
+    async def delete(self, keys: Iterable[str]) -> None:
+        await self.inner.delete(keys)
+
+    async def list(self, prefix: str, *, after: str = "") -> Sequence[str]:
+        keys = await self.inner.list(prefix, after=after)
+        beats = [int(k[len(self.prefix) :]) for k in keys if k.startswith(self.prefix)]
+        running = [b for b in beats if b < 10**10 - 1]  # not the leaving beat
+        if running and max(running) > self.newest:
+            if self.newest >= 0:  # the first look starts the watch; later beats move it
+                self.clock.now += (max(running) - self.newest) * self.lease / 3
+            self.newest = max(running)
+        return keys
+
+
 def test_a_slow_but_live_node_keeps_its_unit(mailbox: gm.Mailbox) -> None:
     """The queue renews its lease while the loop works: a waiting node never steals.
 
-    The waiting node judges leases on a clock of its own that the test moves by a third of
-    the lease for each new beat of the slow node, three leases in all while it waits for
-    u0: a live node is never judged gone, whatever the real delays on a loaded machine; a
-    node that stopped beating while its loop works fails the wait for its next beat.
+    The waiting node judges leases on a clock of its own that moves by a third of the lease
+    for each new beat of the slow node its own listings show (:class:`_SeenBeatsMove`),
+    three leases in all while it waits for u0: a live node is never judged gone, whatever
+    the real delays on a loaded machine; a node that stopped beating while its loop works
+    fails the wait for its next beat.
     """
     lease_timeout = 1.5
     slow, fast = Node("slow"), Node("fast")
@@ -348,14 +382,12 @@ def test_a_slow_but_live_node_keeps_its_unit(mailbox: gm.Mailbox) -> None:
         prefetch=1,  # so that it claims u1 only after u0's last batch went into the buffer
         **options,
     )
-    waiting = shared_queue(
-        ["u0", "u1"], mailbox=mailbox, learner_id="fast", load=_loader(fast, 4), **options
-    )
     clock = _StepClock()
+    observed = _SeenBeatsMove(mailbox, clock, "slow", lease_timeout)
+    waiting = shared_queue(
+        ["u0", "u1"], mailbox=observed, learner_id="fast", load=_loader(fast, 4), **options
+    )
     waiting._worker.clock = clock
-
-    def newest_beat() -> str:
-        return max(_keys(mailbox, "units-leases/slow/"), default="")
 
     with queue:
         first = next(queue)
@@ -364,14 +396,13 @@ def test_a_slow_but_live_node_keeps_its_unit(mailbox: gm.Mailbox) -> None:
         # The fast node has done u1 and now waits on u0, whose owner is busy.
         wait_until(lambda: _get(mailbox, done_key("u1")), "the fast node to finish u1")
         rest = []
-        beat = newest_beat()
         for batch in queue:
             rest.append(batch)
-            beat = wait_until(
-                lambda seen=beat: (b := newest_beat()) != seen and b,  # type: ignore[misc]
-                "the slow node's next lease beat while its loop works",
+            before = clock.now
+            wait_until(
+                lambda before=before: clock.now > before,  # type: ignore[misc]
+                "the waiting node to see the slow node's next lease beat while its loop works",
             )
-            clock.now += lease_timeout / 3
         thread.join(timeout=TEST_TIMEOUT)
     assert clock.now >= 3 * lease_timeout, "the waiting node watched for less than 3 leases"
     assert [first, *rest] == _expected(["u0"], 10)
