@@ -27,6 +27,8 @@ skips the hivemind reference, saying why, when it cannot). Shared code: ``_harne
 learner-process harness: spawned learners and their results, worker subprocesses, a fresh
 mailbox per configuration), ``_workload.py`` (models, the reference training step),
 ``_twoproc.py`` (two learner processes, for 4 and 5), ``hivemind_ref.py`` and
-``_hivemind_worker.py`` (the hivemind reference). ``quality_moshpit.py`` holds the quality
-benchmark's Moshpit arms (``quality --arms moshpit``).
+``_hivemind_worker.py`` (the hivemind reference). The quality benchmark:
+``quality.py`` (its arms and run), ``_quality_report.py`` (its tables, targets, plot),
+``_lm.py`` (its sizes and in-process arms; the model is ``gradientmail.demo.lm``),
+``_quality_worker.py`` (its processes), ``quality_moshpit.py`` (its Moshpit arms).
 """

@@ -403,3 +403,88 @@ def guarded(index: int, barrier: Any, queue: Any, body: Callable[[], Any]) -> No
                 "traceback": traceback.format_exc(),
             }
         )
+
+
+def spec_table(
+    report: Report,
+    title: str,
+    columns: Sequence[tuple[str, Callable[[Any], object]]],
+    items: Iterable[Any],
+    note: str = "",
+) -> Table:
+    """A table of ``report`` with one row per item and one column per ``(header, cell)``."""
+    table = report.table(title, [header for header, _ in columns], note=note)
+    for item in items:
+        table.add(*(cell(item) for _, cell in columns))
+    return table
+
+
+def alone(
+    run: Callable[[Context], Report],
+    *,
+    quick: bool = False,
+    large: bool = False,
+    options: dict[str, Any] | None = None,
+    markdown: Path | None = None,
+    json_path: Path | None = None,
+    header: bool = True,
+) -> Report:
+    """One benchmark on its own (``python -m bench.<module>``), in a scratch directory: its
+    report printed under the machine's description (``header``: torch's import and git
+    take seconds), written as Markdown to ``markdown`` and as ``{"machine", "report"}`` JSON
+    to ``json_path`` when given."""
+    import json
+    import tempfile
+
+    info = machine() if header or json_path else {}
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="gm-bench-") as tmp:
+        report = run(Context(quick, large, Path(tmp), options or {}))
+    report.seconds = time.monotonic() - started
+    text = f"{report.render()}\n"
+    if header:
+        info["load_average_after"] = list(os.getloadavg())
+        load = ", ".join(f"{x:.2f}" for x in info["load_average_after"])
+        text = f"Machine: {describe(info)}; load average at the end {load}\n\n{text}"
+    print(text, flush=True)
+    for path, content in ((markdown, text), (json_path, None)):
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            record = {"machine": info, "report": report.to_json()}
+            path.write_text(content or json.dumps(record, indent=2, default=repr) + "\n")
+    return report
+
+
+def fields(obj: object, names: str) -> dict[str, Any]:
+    """``{name: obj.name}`` for each of the space-separated ``names`` (a JSON record's
+    fields that carry an attribute's name)."""
+    return {name: getattr(obj, name) for name in names.split()}
+
+
+def least_squares(pts: Sequence[tuple[float, float]]) -> tuple[float, float, float]:
+    """The line ``y = intercept + slope x`` through ``pts`` by least squares: ``(slope,
+    intercept, r2)``; NaN with fewer than 2 points or one x."""
+    n = len(pts)
+    if n < 2:
+        return math.nan, math.nan, math.nan
+    mx = sum(x for x, _ in pts) / n
+    my = sum(y for _, y in pts) / n
+    sxx = sum((x - mx) ** 2 for x, _ in pts)
+    sxy = sum((x - mx) * (y - my) for x, y in pts)
+    syy = sum((y - my) ** 2 for _, y in pts)
+    if sxx == 0:
+        return math.nan, math.nan, math.nan
+    slope = sxy / sxx
+    return slope, my - slope * mx, 1.0 if syy == 0 else sxy * sxy / (sxx * syy)
+
+
+def save_figure(fig: Any, path: Path) -> str:
+    """Write a matplotlib figure to ``path`` as PNG and close it; the path written."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    progress(f"plot: {path}")
+    return str(path)

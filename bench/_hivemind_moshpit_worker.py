@@ -3,25 +3,16 @@ project's venv):
 
     build/hivemind-venv/bin/python -I bench/_hivemind_moshpit_worker.py --peers 4 --rounds 4
 
-``--peers`` N processes (forked: hivemind needs the fork start method), each a DHT peer of
-its own (peer 0 the bootstrap, the others started with its addresses), each running a
-``DecentralizedAverager`` with ``target_group_size=M`` over a float32 tensor of
-``--params`` elements. N must be ``M ** d``: peer ``i`` sits at grid cell ``i`` written in
-base M (dimension 0 least significant) and starts with ``initial_group_bits`` the
-coordinates of dimensions 1 .. d-1 (``log2 M`` bits each, dimension 1 first), so the peers
-of a line along dimension 0 share a group key. hivemind shifts each round's chunk index
-into the key and drops the oldest coordinate (``GroupKeyManager.
-update_key_on_group_assembled``): round t averages along dimension ``(t - 1) % d``, the
-grid of hivemind's own grid test (``tests/test_averaging.py::test_allreduce_grid``).
-
-After ``--warmup`` untimed rounds (connections, first matchmaking), every peer sets its
-tensor to ``float(i)``, meets the others at a barrier once, and runs ``--rounds`` blocking
-``averager.step()`` calls back to back (no barrier between rounds: a round waits for its
-group as a GradientMail ``step()`` waits for its group's commit). Prints one JSON line on
-stdout: per peer and round, when ``step()`` was called and returned (``time.monotonic``),
-whether it succeeded (not None, no exception), the size of the group it averaged in, and
-the squared distance of its tensor to the initial global mean (float64 sum over the
-tensor). Only stdlib, torch and hivemind are imported here.
+N forked processes (hivemind needs fork), each its own DHT peer (peer 0 the bootstrap) and
+a ``DecentralizedAverager(target_group_size=M)`` over ``--params`` float32. N = M ** d: peer
+``i`` is grid cell ``i`` in base M and starts with ``initial_group_bits`` its coordinates
+along dimensions 1 .. d-1; hivemind shifts each round's chunk index into the key, so round t
+averages along dimension ``(t - 1) % d`` (hivemind's ``test_allreduce_grid``). After
+``--warmup`` untimed rounds every peer sets its tensor to ``float(i)``, meets the others
+once, and runs ``--rounds`` blocking ``step()`` calls back to back. Prints one JSON line:
+per peer and round, when ``step()`` was called and returned (``time.monotonic``), whether it
+succeeded, its group's size and the squared distance to the initial global mean. Only
+stdlib, torch and hivemind are imported here.
 """
 
 from __future__ import annotations

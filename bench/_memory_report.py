@@ -1,9 +1,9 @@
-"""The tables and targets of ``bench/memory.py`` (benchmark 15, host memory), from the
-configurations it measured: per configuration a row dict with the learners' results and
-the numbers ``memory._summarize`` derived from them."""
+"""The tables and targets of ``bench/memory.py`` (benchmark 15, host memory): per
+configuration a row dict with the learners' results and what ``memory._summarize`` derived."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from bench import _harness as h
@@ -12,6 +12,9 @@ PURPOSES = ("global", "snapshots", "momentum", "encode", "download", "combine")
 OVERHEAD_TARGET = "Session overhead <= 1x model + 2x fragment (learner)"
 CLOSER_TARGET = "closer's additional peak independent of the number of learners"
 GROWTH_TARGET = "no growth over rounds"
+KEY = ["mailbox", "model", "fragments", "learners"]
+GROWTH = ["learners' growth (MiB)", "closer's growth (MiB)", "rounds closed (closer / all)"]
+GROWTH += ["ledger live_total after close", "wall time"]
 
 
 def model_name(params: int) -> str:
@@ -22,18 +25,37 @@ def _mib(n: float) -> str:
     return "-" if n != n else f"{n / h.MIB:,.1f}"
 
 
+def _key(row: dict[str, Any]) -> list[object]:
+    return [row["backend"], model_name(row["params"]), row["fragments"], row["n"]]
+
+
 def _ledger_cells(x: dict[str, Any], overhead: float) -> list[str]:
     """Peak by purpose, idle, peak_total, the RSS overhead, the unaccounted remainder."""
     u = x.get("usage_after_close")
     if u is None:
         return ["n/a"] * (len(PURPOSES) + 2) + [_mib(overhead), "n/a"]
-    return [
-        *(_mib(u["peak"].get(p, 0)) for p in PURPOSES),
-        _mib(u["idle"]),
-        _mib(u["peak_total"]),
-        _mib(overhead),
-        _mib(overhead - u["peak_total"]),
-    ]
+    used = [u["peak"].get(p, 0) for p in PURPOSES] + [u["idle"], u["peak_total"], overhead]
+    return [_mib(v) for v in used] + [_mib(overhead - u["peak_total"])]
+
+
+def _learner_peak(row: dict[str, Any]) -> str:
+    lp = h.Stats(**row["learner_peak"])
+    return h.size(lp.median) + ("" if lp.n < 2 else f" ({h.size(lp.min)}-{h.size(lp.max)})")
+
+
+# The peaks table after the configuration's key: (header, cell from a measured row).
+PEAKS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+    ("learner before Session", lambda r: h.size(r["learner_base"])),
+    ("learner peak", _learner_peak),
+    ("learner overhead (MiB)", lambda r: _mib(r["learner_overhead"])),
+    ("x model", lambda r: h.ratio(r["learner_overhead"], r["model_bytes"])),
+    ("x fragment", lambda r: h.ratio(r["learner_overhead"], r["fragment_bytes"])),
+    ("closer peak", lambda r: h.size(r["closer"]["peak"])),
+    ("closer overhead (MiB)", lambda r: _mib(r["closer_overhead"])),
+    ("x model", lambda r: h.ratio(r["closer_overhead"], r["model_bytes"])),
+    ("x fragment", lambda r: h.ratio(r["closer_overhead"], r["fragment_bytes"])),
+    ("closer - learner (MiB)", lambda r: _mib(r["closer_extra"])),
+]
 
 
 def tables(
@@ -50,14 +72,8 @@ def tables(
         note=f"{peak_how} 'Before': torch imported, nothing built.",
     )
     for params, a in alones.items():
-        table.add(
-            model_name(params),
-            h.size(a["model_bytes"]),
-            h.size(a["rss_before"]),
-            h.size(a["rss_base"]),
-            h.size(a["peak"]),
-            h.size(a["peak"] - a["rss_before"]),
-        )
+        sizes = [a["model_bytes"], a["rss_before"], a["rss_base"], a["peak"]]
+        table.add(model_name(params), *map(h.size, sizes), h.size(a["peak"] - a["rss_before"]))
 
     what = (
         f"DiLoCo(sync_every={config.sync_every}), {config.periods} sync periods, overlap=0, "
@@ -65,22 +81,7 @@ def tables(
     )
     table = report.table(
         f"Peak RSS per learner process and at the closer: {what}",
-        [
-            "mailbox",
-            "model",
-            "fragments",
-            "learners",
-            "learner before Session",
-            "learner peak",
-            "learner overhead (MiB)",
-            "x model",
-            "x fragment",
-            "closer peak",
-            "closer overhead (MiB)",
-            "x model",
-            "x fragment",
-            "closer - learner (MiB)",
-        ],
+        [*KEY, *(c for c, _ in PEAKS)],
         note=(
             "Overhead = peak RSS - the training-alone peak of the same model. Learner: median "
             "(min-max) over the learners other than the closer; the closer closed most rounds "
@@ -91,44 +92,15 @@ def tables(
     for row in rows:
         if "backend" not in row:
             table.add("-", model_name(row["params"]), "-", "-", row["skipped"])
-            continue
-        cells = [row["backend"], model_name(row["params"]), row["fragments"], row["n"]]
-        if "closer" not in row:
-            table.add(*cells, row.get("skipped") or f"not measured: {row.get('error')}")
-            continue
-        lp = h.Stats(**row["learner_peak"])
-        model, fragment = row["model_bytes"], row["fragment_bytes"]
-        lo, co = row["learner_overhead"], row["closer_overhead"]
-        span = "" if lp.n < 2 else f" ({h.size(lp.min)}-{h.size(lp.max)})"
-        table.add(
-            *cells,
-            h.size(row["learner_base"]),
-            h.size(lp.median) + span,
-            _mib(lo),
-            h.ratio(lo, model),
-            h.ratio(lo, fragment),
-            h.size(row["closer"]["peak"]),
-            _mib(co),
-            h.ratio(co, model),
-            h.ratio(co, fragment),
-            _mib(row["closer_extra"]),
-        )
+        elif "closer" not in row:
+            table.add(*_key(row), row.get("skipped") or f"not measured: {row.get('error')}")
+        else:
+            table.add(*_key(row), *(cell(row) for _, cell in PEAKS))
 
     done = [r for r in rows if "closer" in r]
     table = report.table(
         "The library's own accounting (gm.memory_usage() after close): peak by purpose, MiB",
-        [
-            "mailbox",
-            "model",
-            "fragments",
-            "learners",
-            "who",
-            *PURPOSES,
-            "idle",
-            "peak_total",
-            "RSS overhead",
-            "unaccounted",
-        ],
+        [*KEY, "who", *PURPOSES, "idle", "peak_total", "RSS overhead", "unaccounted"],
         note=(
             "Peak by purpose and peak_total (the most held at once) from the process's ledger; "
             "idle: pooled bytes kept for reuse at the end (a part of the others). Unaccounted "
@@ -138,33 +110,21 @@ def tables(
         ),
     )
     for row in done:
-        cells = [row["backend"], model_name(row["params"]), row["fragments"], row["n"]]
         others = sorted(
             (x for x in row["learners"] if x["index"] != row["closer_index"]),
             key=lambda x: x["peak"],
         )
         x = others[(len(others) - 1) // 2]
         overhead = x["peak"] - row["alone_peak"]
-        table.add(*cells, f"learner-{x['index']}", *_ledger_cells(x, overhead))
+        table.add(*_key(row), f"learner-{x['index']}", *_ledger_cells(x, overhead))
         c = row["closer"]
-        table.add(
-            *cells, f"closer (learner-{c['index']})", *_ledger_cells(c, row["closer_overhead"])
-        )
+        who = f"closer (learner-{c['index']})"
+        table.add(*_key(row), who, *_ledger_cells(c, row["closer_overhead"]))
 
     g = min(config.growth_from, config.periods)
     table = report.table(
         f"Growth: peak RSS in sync period {g} vs the last ({config.periods}); ledger after close",
-        [
-            "mailbox",
-            "model",
-            "fragments",
-            "learners",
-            "learners' growth (MiB)",
-            "closer's growth (MiB)",
-            "rounds closed (closer / all)",
-            "ledger live_total after close",
-            "wall time",
-        ],
+        [*KEY, *GROWTH],
         note=(
             f"Growth: the peak RSS within the last sync period minus that within period {g} "
             "(learners: the largest over those other than the closer). live_total: the most "
@@ -174,10 +134,7 @@ def tables(
     for row in done:
         live = row["live_after_close"]
         table.add(
-            row["backend"],
-            model_name(row["params"]),
-            row["fragments"],
-            row["n"],
+            *_key(row),
             _mib(row["learner_growth"]),
             _mib(row["closer_growth"]),
             f"{row['closer']['closed']} / {row['rounds_closed']}",

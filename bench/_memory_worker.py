@@ -1,17 +1,13 @@
 """The processes of ``bench/memory.py``: learners (a ``gm.Session`` each) and the "training
-alone" reference (the same model and loop, no Session, gradientmail never imported).
+alone" reference (the same model and loop, no Session, gradientmail never imported: only
+the standard library and torch are imported at the top).
 
-Both measure their own resident set the same way: a background thread reads
-``/proc/self/statm`` every ``sample_s`` (5 ms) and keeps the maximum (overall, and per sync
-period for the growth check); at the end the kernel's high-water mark ``VmHWM`` from
-``/proc/self/status`` is read too, and the peak is the larger of the two (VmHWM also sees
-spikes shorter than a sample).
-
-The training step: the ``_workload.build_model`` stack of square Linear layers (float32),
-forward + backward of an MSE loss on a fixed random batch (distinct per learner), plain SGD
-(lr 1e-4, no momentum: no optimizer state, so the training's memory is parameters +
-gradients + activations). Only the standard library and torch are imported at the top, so
-that the reference process never imports gradientmail.
+Both measure their resident set alike: a thread reads ``/proc/self/statm`` every
+``sample_s`` and keeps the maxima (overall, since a start, per window); at the end the peak
+is the larger of that and the kernel's ``VmHWM``, which also sees spikes shorter than a
+sample. The training step: the ``_workload.build_model`` stack, forward + backward of an MSE
+loss on a fixed random batch (distinct per learner), plain SGD (lr 1e-4, no momentum: no
+optimizer state, so training's memory is parameters + gradients + activations).
 """
 
 from __future__ import annotations
@@ -39,9 +35,10 @@ def rss() -> int:
         return int(f.read().split()[1]) * PAGE
 
 
-def status_bytes(field: str) -> int:
-    """A ``kB`` field of ``/proc/self/status`` (``VmHWM``, ``VmRSS``), in bytes."""
-    with open("/proc/self/status") as f:
+def proc_bytes(path: str, field: str) -> int:
+    """A ``kB`` field of a /proc file (``VmHWM`` of ``/proc/<pid>/status``, ``MemAvailable``
+    of ``/proc/meminfo``), in bytes; 0 when missing (the process gone)."""
+    with contextlib.suppress(OSError), open(path) as f:
         for line in f:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
@@ -49,31 +46,23 @@ def status_bytes(field: str) -> int:
 
 
 def mem_available() -> int:
-    """``MemAvailable`` of ``/proc/meminfo``, in bytes."""
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return proc_bytes("/proc/meminfo", "MemAvailable")
 
 
 class Sampler:
-    """Samples the resident set on a daemon thread; keeps the overall and window maxima."""
+    """Samples the resident set on a daemon thread: the maximum overall (``peak``), since the
+    last :meth:`restart` (``since``) and since the last :meth:`window`."""
 
     def __init__(self, interval: float) -> None:
-        self.interval = interval
         self.samples = 0
         self._lock = threading.Lock()
-        now = rss()
-        self.peak = now
-        self._window = now
-        self._since = now
+        self.peak = self._window = self.since = rss()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(interval,), daemon=True)
         self._thread.start()
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+    def _run(self, interval: float) -> None:
+        while not self._stop.wait(interval):
             self.sample()
 
     def sample(self) -> int:
@@ -82,7 +71,7 @@ class Sampler:
             self.samples += 1
             self.peak = max(self.peak, now)
             self._window = max(self._window, now)
-            self._since = max(self._since, now)
+            self.since = max(self.since, now)
         return now
 
     def window(self) -> tuple[int, int]:
@@ -96,48 +85,46 @@ class Sampler:
         """Start the "since" maximum (and a window) from now; returns the resident set."""
         now = self.sample()
         with self._lock:
-            self._since = self._window = now
+            self.since = self._window = now
         return now
 
-    @property
-    def since(self) -> int:
-        with self._lock:
-            return self._since
-
-    def stop(self) -> None:
+    def finish(self) -> dict[str, int]:
         self._stop.set()
         self._thread.join(timeout=5)
         self.sample()
+        hwm = proc_bytes("/proc/self/status", "VmHWM")
+        peak = self.peak
+        return {
+            "peak": max(hwm, peak),
+            "peak_sampled": peak,
+            "vm_hwm": hwm,
+            "samples": self.samples,
+        }
 
 
 class Trainer:
     """Forward + backward + plain SGD of the Linear stack on a fixed random batch."""
 
-    def __init__(self, params: int, fragments: int, batch: int, seed: int) -> None:
-        self.model = build_model(params, fragments)
+    def __init__(self, spec: dict[str, Any], seed: int) -> None:
+        self.model = build_model(spec["params"], spec["fragments"])
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-4)
         width = self.model[0].in_features
         generator = torch.Generator().manual_seed(seed)
-        self.x = torch.randn(batch, width, generator=generator)
-        self.y = torch.randn(batch, width, generator=generator)
+        self.x = torch.randn(spec["batch"], width, generator=generator)
+        self.y = torch.randn(spec["batch"], width, generator=generator)
+        self.model_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     def step(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-        loss = torch.nn.functional.mse_loss(self.model(self.x), self.y)
-        loss.backward()
+        torch.nn.functional.mse_loss(self.model(self.x), self.y).backward()
         self.optimizer.step()
-
-    @property
-    def model_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
 
 def _usage(gm: Any) -> dict[str, Any] | None:
     """``gm.memory_usage()`` as plain data; None on a checkout without it."""
-    memory_usage = getattr(gm, "memory_usage", None)
-    if memory_usage is None:
+    if getattr(gm, "memory_usage", None) is None:
         return None
-    u = memory_usage()
+    u = gm.memory_usage()
     return {
         "live": {k: int(v) for k, v in u.live.items()},
         "peak": {k: int(v) for k, v in u.peak.items()},
@@ -145,20 +132,6 @@ def _usage(gm: Any) -> dict[str, Any] | None:
         "peak_total": int(u.peak_total),
         "idle": int(getattr(u, "idle", 0)),
     }
-
-
-def _finish(sampler: Sampler) -> dict[str, int]:
-    sampler.stop()
-    hwm = status_bytes("VmHWM")
-    return {
-        "peak": max(hwm, sampler.peak),
-        "peak_sampled": sampler.peak,
-        "vm_hwm": hwm,
-        "samples": sampler.samples,
-    }
-
-
-# -- the reference: training alone ------------------------------------------------------------
 
 
 def alone(_: int, spec: dict[str, Any], queue: Any) -> None:
@@ -170,7 +143,7 @@ def _alone(spec: dict[str, Any], queue: Any) -> dict[str, Any]:
     torch.set_num_threads(1)
     sampler = Sampler(spec["sample_s"])
     before = sampler.restart()  # torch imported, nothing built
-    trainer = Trainer(spec["params"], spec["fragments"], spec["batch"], seed=1000)
+    trainer = Trainer(spec, seed=1000)
     trainer.step()
     gc.collect()
     after_one = sampler.restart()
@@ -189,10 +162,7 @@ def _alone(spec: dict[str, Any], queue: Any) -> dict[str, Any]:
         "rss_base": after_one,
         "periods": periods,
         "gradientmail_imported": "gradientmail" in sys.modules,
-    } | _finish(sampler)
-
-
-# -- a learner ----------------------------------------------------------------------------------
+    } | sampler.finish()
 
 
 def learner(index: int, spec: dict[str, Any], mailbox: Any, barrier: Any, queue: Any) -> None:
@@ -208,7 +178,7 @@ def _learn(
     rss_start = sampler.restart()
     import gradientmail as gm
 
-    trainer = Trainer(spec["params"], spec["fragments"], spec["batch"], seed=index)
+    trainer = Trainer(spec, seed=index)
     trainer.step()
     gc.collect()
     base = sampler.restart()  # model + optimizer + one training step, before the Session
@@ -270,7 +240,6 @@ def _learn(
     rounds = session.rounds
     del session
     gc.collect()
-    usage_after = _usage(gm)
     return {
         "index": index,
         "role": "learner",
@@ -290,5 +259,5 @@ def _learn(
         "loop_s": loop_s,
         "close_s": close_s,
         "usage": usage_loop,
-        "usage_after_close": usage_after,
-    } | _finish(sampler)
+        "usage_after_close": _usage(gm),
+    } | sampler.finish()

@@ -10,7 +10,8 @@ Three ways a benchmark runs learners, one home each:
 - :class:`Job`, :func:`run_together` and :func:`run_pool`: ``python -m bench._quality_worker``
   subprocesses given a JSON job file (``quality``'s learners, evaluations and in-process arms);
 - :func:`stores`: a fresh mailbox per configuration, on the filesystem or on a SeaweedFS
-  server started for it (``testbed/s3servers.py``), removed afterwards.
+  server started for it (``testbed/s3servers.py``), removed afterwards;
+- inside a learner, :class:`Events`: a Session's events with the time each came.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import queue as queue_module
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -331,3 +333,30 @@ def run_together(jobs: Sequence[Job], env: Mapping[str, str], label: str) -> Non
             job.kill()
     for job in jobs:
         job.finished()
+
+
+# -- inside a learner process ----------------------------------------------------------------
+
+FAILED = ("PollFailed", "PublishFailed", "RoundFailed")
+
+
+class Events:
+    """A ``gm.Session``'s ``on_event``: each event with the ``time.monotonic()`` it came at
+    (one clock for every process of a machine), under a lock (the Session's threads call)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seen: list[tuple[float, Any]] = []
+
+    def __call__(self, event: Any) -> None:
+        with self._lock:
+            self._seen.append((time.monotonic(), event))
+
+    def of(self, *kinds: type) -> list[tuple[float, Any]]:
+        with self._lock:
+            return [(t, e) for t, e in self._seen if isinstance(e, kinds)]
+
+    def failures(self, names: Sequence[str] = FAILED, since: float = 0.0) -> list[str]:
+        """``repr`` of the events named ``names`` (failures) that came at ``since`` or later."""
+        with self._lock:
+            return [repr(e) for t, e in self._seen if type(e).__name__ in names and t >= since]

@@ -1,32 +1,22 @@
-"""The processes of the quality benchmark (``quality.py``), one job each:
+"""The quality benchmark's processes, one JSON job each: ``python -m bench._quality_worker
+JOB.json`` (``mode``; the result goes to ``out``, JSON):
 
-    python -m bench._quality_worker JOB.json
+- ``learner``: one learner through ``gm.Session`` on the given mailbox (a ``gm.Barrier``
+  until all ``learners`` joined, the quorum), training its own shard, then ``close()``; its
+  counters, time in ``step()``, sync points reached and skipped, each commit's lag in inner
+  steps, its algorithm's settings (``make_algorithm``); ``save_params`` keeps its own model.
+- ``evaluate``: as a user would, after the learners finished: ``gm.align`` into a fresh model
+  and its validation loss; the loss curve from the run's commits (a Moshpit run's from its
+  group rounds: :func:`group_rounds`); the learners' own final models (``learner_params``).
+- ``inprocess``: an arm computed in one process (``_lm.run_inprocess``).
 
-``JOB.json`` names a ``mode`` and where the result goes (``out``, JSON):
-
-- ``learner``: one GradientMail learner: joins the run through ``gm.Session`` on the given
-  mailbox, waits at a ``gm.Barrier`` until all learners joined, trains its own shard, closes;
-  reports its counters, the time ``step()`` held the thread, the sync points it reached and
-  skipped, each commit's lag in inner steps, and its algorithm's settings (``DiLoCo(H, F)``,
-  or the job's ``algorithm``: a compressed DiLoCo, SparseLoCo or Moshpit, see
-  ``make_algorithm``). ``learners`` (default :data:`_lm.LEARNERS`) is the run's size (the
-  barrier's parties, the quorum); ``save_params`` keeps its own final model there.
-- ``evaluate``: after the learners finished, as a user would: ``gm.align`` into a fresh
-  model and the validation loss of that model; then the loss curve from the run's commits
-  (the newest commit of each fragment at or before each checkpoint, read from ``rounds/``;
-  a Moshpit run's from its group rounds instead, see ``group_rounds``), and the losses of
-  the learners' own final models (``learner_params``).
-- ``inprocess``: one of the arms computed in one process (``_lm.run_inprocess``; with
-  ``learners``, ``ddp`` or ``solo-average`` over that many shards: ``inprocess_n``).
-
-Every mode uses ``torch.set_num_threads(sizes.threads)`` (four learners share the cores) and
-records which ``gradientmail`` it imported.
+Every mode runs ``torch.set_num_threads(sizes.threads)`` and records which ``gradientmail``
+it imported.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
@@ -43,6 +33,9 @@ if __package__ in (None, ""):
 import torch
 
 from bench import _lm
+from gradientmail.demo import lm
+from gradientmail.payload import get_tensors
+from gradientmail.wire import GROUP_ROUNDS, decode_commit
 
 
 def _say(message: str) -> None:
@@ -74,19 +67,11 @@ def _library() -> dict[str, Any]:
 
 
 def counters_json(counters: Any) -> dict[str, Any]:
-    """Every field of a ``Counters`` (whatever this library version has), plus totals."""
-    out: dict[str, Any] = {}
-    if dataclasses.is_dataclass(counters) and not isinstance(counters, type):
-        for f in dataclasses.fields(counters):
-            out[f.name] = getattr(counters, f.name)
-    else:
-        for name in dir(counters):
-            if not name.startswith("_") and not callable(getattr(counters, name)):
-                out[name] = getattr(counters, name)
+    """Every field of a ``Counters``, plus the totals of ``bytes_up``, ``bytes_down`` and
+    ``requests`` (summed over key kinds)."""
+    out = dataclasses.asdict(counters)
     for name in ("bytes_up", "bytes_down", "requests"):
-        value = out.get(name)
-        if isinstance(value, Mapping):
-            out[f"{name}_total"] = int(sum(value.values()))
+        out[f"{name}_total"] = int(sum(out[name].values()))
     plain: dict[str, Any] = json.loads(json.dumps(out, default=repr))
     return plain
 
@@ -95,27 +80,22 @@ def counters_json(counters: Any) -> dict[str, Any]:
 
 
 def make_algorithm(gm: Any, spec: Mapping[str, Any] | None, h_every: int, fragments: int) -> Any:
-    """The learner's algorithm: ``gm.DiLoCo(sync_every=H, fragments=F)`` without ``spec``;
-    else ``spec["name"]`` (``"diloco"`` or ``"sparseloco"``) with ``spec["settings"]``
-    (``outer_lr``, ``error_decay``, ...) and ``spec["compression"]``, a compressor's settings
-    (``{"name": "topk", "density": 0.02, "bits": 2}``, ``{"name": "cast", ...}``,
-    ``{"name": "quantize", ...}``); or ``"moshpit"``: ``gm.Moshpit(sync_every=H, **settings)``
-    (``group_size``, ``grid_dims``; no fragments, no compression)."""
-    if not spec:
-        return gm.DiLoCo(sync_every=h_every, fragments=fragments)
-    if spec.get("name") == "moshpit":
-        if spec.get("compression"):
-            raise ValueError("Moshpit takes no compression")
-        return gm.Moshpit(sync_every=h_every, **dict(spec.get("settings") or {}))
-    kwargs: dict[str, Any] = {"sync_every": h_every, "fragments": fragments}
-    kwargs.update(spec.get("settings") or {})
-    compression = spec.get("compression")
-    if compression:
-        kinds = {"topk": gm.TopK, "cast": gm.Cast, "quantize": gm.Quantize}
-        fields = {k: v for k, v in compression.items() if k != "name"}
-        kwargs["compression"] = kinds[compression["name"]](**fields)
-    kinds = {"diloco": gm.DiLoCo, "sparseloco": gm.SparseLoCo}
-    return kinds[spec.get("name", "diloco")](**kwargs)
+    """The learner's algorithm: ``gm.DiLoCo(sync_every=H, fragments=F)`` without ``spec``; else
+    ``spec["name"]`` (diloco, sparseloco, moshpit: no fragments) with ``spec["settings"]`` and
+    ``spec["compression"]`` (a compressor's settings: ``{"name": "topk", "density": 0.02}``),
+    read as a manifest's settings are."""
+    from gradientmail.algorithms.base import from_manifest
+
+    spec = spec or {}
+    name = spec.get("name", "diloco")
+    if name == "moshpit" and spec.get("compression"):
+        raise ValueError("Moshpit takes no compression")
+    values = {"name": name, "sync_every": h_every, **(spec.get("settings") or {})}
+    if name != "moshpit":
+        values["fragments"] = fragments
+    if spec.get("compression"):
+        values["compression"] = spec["compression"]
+    return from_manifest(values)
 
 
 def learner(job: Mapping[str, Any]) -> dict[str, Any]:
@@ -131,9 +111,9 @@ def learner(job: Mapping[str, Any]) -> dict[str, Any]:
     learners = int(job.get("learners", _lm.LEARNERS))
     size, steps = sizes.family(family)
     shards, _ = _lm.load_data(Path(job["data"]))
-    model = _lm.build_model(size, sizes.context, sizes.seed)
-    optimizer = _lm.make_optimizer(model, sizes.lr)
-    batches = _lm.Batches(shards[index], index, sizes.batch, sizes.context, sizes.seed)
+    model = lm.build_model(size, sizes.context, sizes.seed)
+    optimizer = lm.make_optimizer(model, sizes.lr)
+    batches = lm.Batches(shards[index], index, sizes.batch, sizes.context, sizes.seed)
     box = open_box(job["mailbox"])
     lid = _lm.learner_id(index)
     algorithm = make_algorithm(gm, job.get("algorithm"), h_every, fragments)
@@ -172,7 +152,6 @@ def learner(job: Mapping[str, Any]) -> dict[str, Any]:
     _say(f"{lid}: all {learners} joined after {join_s:.1f} s; training {steps} steps")
 
     due = {algorithm.offset(f): f for f in range(fragments)}
-    has_rounds = hasattr(session, "rounds")
     due_steps: list[tuple[int, int, int]] = []  # (step, fragment, rounds[fragment] after)
     skipped_at: list[int] = []
     applied_at: dict[int, int] = {}  # round -> local step whose step() call applied it
@@ -184,28 +163,25 @@ def learner(job: Mapping[str, Any]) -> dict[str, Any]:
     for s in range(1, steps + 1):
         if time.monotonic() > deadline:
             raise TimeoutError(f"{lid}: step {s} of {steps} after {job['timeout']} s")
-        losses.append(
-            _lm.train_step(model, optimizer, batches.next(), _lm.lr_at(s, steps, sizes.lr))
-        )
+        losses.append(lm.train_step(model, optimizer, batches.next(), lm.lr_at(s, steps, sizes.lr)))
         f = due.get(s % h_every)
-        skipped_before = getattr(session.counters(), "skipped_syncs", 0) if f is not None else 0
-        before = session.rounds if has_rounds else ()
+        skipped_before = session.counters().skipped_syncs if f is not None else 0
+        before = session.rounds
         t = time.perf_counter()
         session.step(samples=sizes.batch)
         took = time.perf_counter() - t
         step_s += took
         step_max = max(step_max, took)
         slow_calls += took > 0.01
-        after = session.rounds if has_rounds else ()
+        after = session.rounds
         for b, a in zip(before, after, strict=True):
             if a != b:
                 applied_at.setdefault(a, s)
         if f is not None:
-            skipped = getattr(session.counters(), "skipped_syncs", 0) > skipped_before
-            if skipped:
+            if session.counters().skipped_syncs > skipped_before:
                 skipped_at.append(s)
             else:
-                due_steps.append((s, f, after[f] if has_rounds else -1))
+                due_steps.append((s, f, after[f]))
         if s % max(1, steps // 4) == 0:
             _say(f"{lid}: step {s}/{steps}, train loss {losses[-1]:.3f}")
     train_s = time.perf_counter() - started
@@ -273,48 +249,15 @@ def learner(job: Mapping[str, Any]) -> dict[str, Any]:
 # -- evaluate --------------------------------------------------------------------------------
 
 
-def _decoders() -> tuple[Any, Any]:
-    """``decode_commit`` and ``get_tensors``, wherever this library version keeps them."""
-    import importlib
-
-    decode = get = None
-    for name in ("gradientmail.wire", "gradientmail.wire", "gradientmail.wire.records"):
-        with contextlib.suppress(ImportError):
-            decode = getattr(importlib.import_module(name), "decode_commit", None)
-            if decode is not None:
-                break
-    for name in ("gradientmail.payload", "gradientmail.payload.tensors"):
-        with contextlib.suppress(ImportError):
-            get = getattr(importlib.import_module(name), "get_tensors", None)
-            if get is not None:
-                break
-    if decode is None or get is None:
-        raise ImportError("decode_commit or get_tensors not found in this gradientmail")
-    return decode, get
-
-
-async def _commits(box: Any) -> list[Any]:
-    decode, _ = _decoders()
-    keys = await box.list("rounds/")
-    commits = []
-    for key in keys:
-        data = await box.get(key)
-        commits.append(decode(key, data))
-    return sorted(commits, key=lambda c: c.round)
-
-
 def evaluate(job: Mapping[str, Any]) -> dict[str, Any]:
     import gradientmail as gm
 
     sizes = _lm.Sizes.from_json(job["sizes"])
     torch.set_num_threads(sizes.threads)
-    family: str = job["family"]
-    fragments: int = job["fragments"]
-    learners = int(job.get("learners", _lm.LEARNERS))
-    size, steps = sizes.family(family)
+    size, _ = sizes.family(job["family"])
     _, val = _lm.load_data(Path(job["data"]))
     box = open_box(job["mailbox"])
-    model = _lm.build_model(size, sizes.context, sizes.seed + 1)  # not the initial values
+    model = lm.build_model(size, sizes.context, sizes.seed + 1)  # not the initial values
     said = _AlignLog()
     log = logging.getLogger("gradientmail")
     log.addHandler(said)
@@ -328,13 +271,12 @@ def evaluate(job: Mapping[str, Any]) -> dict[str, Any]:
     finally:
         log.removeHandler(said)
         log.setLevel(level)
-    final = _lm.evaluate(model, val)
     aligned = {n: p.detach().clone() for n, p in model.named_parameters()}
     if job.get("save"):
         torch.save(aligned, job["save"])
     result: dict[str, Any] = {
         "mode": "evaluate",
-        "final_loss": final,
+        "final_loss": lm.evaluate(model, val),
         "align_s": align_s,
         "aligned_rounds": {str(k): v for k, v in dict(aligned_rounds).items()},
         "align_log": said.messages,
@@ -342,75 +284,77 @@ def evaluate(job: Mapping[str, Any]) -> dict[str, Any]:
     }
     own = job.get("learner_params") or []
     if own:  # each learner's own final model (the spread of a Moshpit run's models)
-        probe = _lm.build_model(size, sizes.context, sizes.seed)
+        probe = lm.build_model(size, sizes.context, sizes.seed)
         losses = []
         for path in own:
-            _lm.load_params(probe, torch.load(path, weights_only=True))
-            losses.append(_lm.evaluate(probe, val))
+            lm.load_params(probe, torch.load(path, weights_only=True))
+            losses.append(lm.evaluate(probe, val))
         result["learner_losses"] = losses
-    if job.get("groups"):
-        try:
-            result.update(group_rounds(job, box, aligned, val, learners))
-        except Exception as exc:  # the final loss stands; say why the rest is missing
-            result["curve"] = []
-            result["curve_error"] = f"{type(exc).__name__}: {exc}"
-        return result
-    # The loss curve: per checkpoint, the newest commit of each fragment whose samples
-    # (cumulative over that fragment's rounds) are at most the samples trained by then.
     try:
-        _, get_tensors = _decoders()
-        commits = asyncio.run(_commits(box))
-        per_fragment: dict[int, list[tuple[int, Any]]] = {}
-        cumulative = [0] * fragments
-        rounds = []
-        for c in commits:
-            f = int(c.fragment)
-            samples = int(sum(x.samples for x in c.contributors))
-            cumulative[f] += samples
-            per_fragment.setdefault(f, []).append((cumulative[f], c))
-            if c.contributors:
-                rounds.append(
-                    {
-                        "round": int(c.round),
-                        "fragment": f,
-                        "contributors": len(c.contributors),
-                        "samples": samples,
-                    }
-                )
-        result["rounds"] = rounds
-        result["samples_committed"] = cumulative
-        cache: dict[str, dict[str, torch.Tensor]] = {}
-
-        async def fetch(key: str) -> dict[str, torch.Tensor]:
-            if key not in cache:
-                cache[key] = {n: t.clone() for n, t in (await get_tensors(box, key)).items()}
-            return cache[key]
-
-        curve = []
-        probe = _lm.build_model(size, sizes.context, sizes.seed)
-        per_step = learners * sizes.batch
-        for s in sizes.checkpoint_steps(steps):
-            x = s * per_step
-            for f in range(fragments):
-                chosen = [c for cum, c in per_fragment.get(f, []) if cum <= x]
-                if chosen:
-                    _lm.load_params(probe, asyncio.run(fetch(chosen[-1].params)))
-            curve.append((x, _lm.evaluate(probe, val)))
-            if len(cache) > 4 * fragments:  # bounded memory: older payloads are not reused
-                for key in list(cache)[: -2 * fragments]:
-                    del cache[key]
-        newest = {}
-        for f in range(fragments):
-            if per_fragment.get(f):
-                newest.update(asyncio.run(fetch(per_fragment[f][-1][1].params)))
-        result["align_equals_newest"] = all(
-            torch.equal(aligned[n], newest[n]) for n in aligned if n in newest
-        ) and set(newest) == set(aligned)
-        result["curve"] = curve
+        curve = group_rounds if job.get("groups") else commit_curve
+        result.update(curve(job, box, aligned, val))
     except Exception as exc:  # the final loss stands; say why the curve is missing
         result["curve"] = []
         result["curve_error"] = f"{type(exc).__name__}: {exc}"
     return result
+
+
+def commit_curve(
+    job: Mapping[str, Any], box: Any, aligned: Mapping[str, torch.Tensor], val: torch.Tensor
+) -> dict[str, Any]:
+    """The run's rounds (``rounds/``, none swept) and the loss curve: per checkpoint, the
+    newest commit of each fragment whose samples (cumulative over that fragment's rounds)
+    are at most the samples trained by then; whether ``gm.align`` loaded the newest."""
+    sizes = _lm.Sizes.from_json(job["sizes"])
+    size, steps = sizes.family(job["family"])
+    fragments: int = job["fragments"]
+    learners = int(job.get("learners", _lm.LEARNERS))
+
+    async def commits() -> list[Any]:
+        keys = await box.list("rounds/")
+        return sorted([decode_commit(k, await box.get(k)) for k in keys], key=lambda c: c.round)
+
+    per_fragment: dict[int, list[tuple[int, Any]]] = {}
+    cumulative = [0] * fragments
+    rounds = []
+    for c in asyncio.run(commits()):
+        f = int(c.fragment)
+        samples = int(sum(x.samples for x in c.contributors))
+        cumulative[f] += samples
+        per_fragment.setdefault(f, []).append((cumulative[f], c))
+        if c.contributors:
+            info = {"round": int(c.round), "fragment": f, "contributors": len(c.contributors)}
+            rounds.append(info | {"samples": samples})
+    cache: dict[str, dict[str, torch.Tensor]] = {}
+
+    def fetch(key: str) -> dict[str, torch.Tensor]:
+        if key not in cache:
+            cache[key] = {n: t.clone() for n, t in asyncio.run(get_tensors(box, key)).items()}
+        return cache[key]
+
+    curve = []
+    probe = lm.build_model(size, sizes.context, sizes.seed)
+    for s in sizes.checkpoint_steps(steps):
+        x = s * learners * sizes.batch
+        for f in range(fragments):
+            chosen = [c for cum, c in per_fragment.get(f, []) if cum <= x]
+            if chosen:
+                lm.load_params(probe, fetch(chosen[-1].params))
+        curve.append((x, lm.evaluate(probe, val)))
+        if len(cache) > 4 * fragments:  # bounded memory: older payloads are not reused
+            for key in list(cache)[: -2 * fragments]:
+                del cache[key]
+    newest: dict[str, torch.Tensor] = {}
+    for f in range(fragments):
+        if per_fragment.get(f):
+            newest.update(fetch(per_fragment[f][-1][1].params))
+    same = all(torch.equal(aligned[n], newest[n]) for n in aligned if n in newest)
+    return {
+        "rounds": rounds,
+        "samples_committed": cumulative,
+        "align_equals_newest": same and set(newest) == set(aligned),
+        "curve": curve,
+    }
 
 
 class _AlignLog(logging.Handler):
@@ -428,14 +372,12 @@ class _AlignLog(logging.Handler):
 
 async def _group_commits(box: Any) -> dict[int, list[Any]]:
     """Every group commit of a Moshpit run, by group round (none swept: keep_rounds)."""
-    from gradientmail import wire as p
-
     out: dict[int, list[Any]] = {}
-    for key in await box.list(p.GROUP_ROUNDS):
+    for key in await box.list(GROUP_ROUNDS):
         data = await box.get(key)
         if data is None:
             continue
-        commit = p.decode_commit(key, data)
+        commit = decode_commit(key, data)
         out.setdefault(int(commit.round), []).append(commit)
     for commits in out.values():
         commits.sort(key=lambda c: c.group or "")
@@ -443,21 +385,17 @@ async def _group_commits(box: Any) -> dict[int, list[Any]]:
 
 
 def group_rounds(
-    job: Mapping[str, Any],
-    box: Any,
-    aligned: Mapping[str, torch.Tensor],
-    val: torch.Tensor,
-    learners: int,
+    job: Mapping[str, Any], box: Any, aligned: Mapping[str, torch.Tensor], val: torch.Tensor
 ) -> dict[str, Any]:
     """A Moshpit run's group rounds from its mailbox: each round's groups (members, closer,
     exclusions), and the loss curve: at each checkpoint, the sample-weighted average of the
     group commits of the newest group round at or before it (the round of local step ``s``
     is ``s // H``; before the first, the initial model), which is what ``gm.align`` loads
     at the end; ``align_matches_groups``: whether it did."""
-    _, get_tensors = _decoders()
     sizes = _lm.Sizes.from_json(job["sizes"])
     size, steps = sizes.family(job["family"])
     h_every = int(job["sync_every"])
+    learners = int(job.get("learners", _lm.LEARNERS))
     by_round = asyncio.run(_group_commits(box))
     rounds = [
         {
@@ -489,13 +427,13 @@ def group_rounds(
                 out[name] = term if name not in out else out[name] + term
         return out
 
-    probe = _lm.build_model(size, sizes.context, sizes.seed)
+    probe = lm.build_model(size, sizes.context, sizes.seed)
     initial = {n: q.detach().clone() for n, q in probe.named_parameters()}
     curve = []
     for s in sizes.checkpoint_steps(steps):
         done = [t for t in by_round if t <= s // h_every]
-        _lm.load_params(probe, average(max(done)) if done else initial)
-        curve.append((s * learners * sizes.batch, _lm.evaluate(probe, val)))
+        lm.load_params(probe, average(max(done)) if done else initial)
+        curve.append((s * learners * sizes.batch, lm.evaluate(probe, val)))
     result: dict[str, Any] = {"group_rounds": rounds, "curve": curve, "rounds": []}
     if by_round:
         newest = average(max(by_round))
@@ -510,86 +448,10 @@ def group_rounds(
 # -- in-process arms -------------------------------------------------------------------------
 
 
-def inprocess_n(
-    arm: str,
-    sizes: _lm.Sizes,
-    shards: list[torch.Tensor],
-    val: torch.Tensor,
-    save: Path | None = None,
-) -> dict[str, Any]:
-    """``ddp`` (one model, batch N·B, the N learners' batches side by side) or
-    ``solo-average`` (N copies that never sync, averaged at the end) over ``N =
-    len(shards)`` learners (``_lm.run_inprocess`` has :data:`_lm.LEARNERS`), on the main
-    model, evaluated at the checkpoints; ``solo-average`` also reports each copy's own
-    final loss (``learner_losses``)."""
-    n = len(shards)
-    size, steps = sizes.family("main")
-    checkpoints = set(sizes.checkpoint_steps(steps))
-    batches = [_lm.Batches(shards[i], i, sizes.batch, sizes.context, sizes.seed) for i in range(n)]
-    if arm == "ddp":
-        copies = [_lm.build_model(size, sizes.context, sizes.seed)]
-    elif arm == "solo-average":
-        copies = [_lm.build_model(size, sizes.context, sizes.seed) for _ in range(n)]
-    else:
-        raise ValueError(f"unknown in-process arm {arm!r} for {n} learners")
-    opts = [_lm.make_optimizer(c, sizes.lr) for c in copies]
-    probe = _lm.build_model(size, sizes.context, sizes.seed)
-    curve: list[tuple[int, float]] = []
-    losses: list[float] = []
-    eval_s = 0.0
-    started = time.perf_counter()
-
-    def averaged() -> torch.nn.Module:
-        if len(copies) == 1:
-            return copies[0]
-        with torch.no_grad():
-            for name, q in probe.named_parameters():
-                q.copy_(torch.stack([dict(c.named_parameters())[name] for c in copies]).mean(0))
-        return probe
-
-    for s in range(1, steps + 1):
-        lr = _lm.lr_at(s, steps, sizes.lr)
-        if arm == "ddp":
-            tokens = torch.cat([b.next() for b in batches])
-            losses.append(_lm.train_step(copies[0], opts[0], tokens, lr))
-        else:
-            pairs = zip(copies, opts, batches, strict=True)
-            losses.append(sum(_lm.train_step(c, o, b.next(), lr) for c, o, b in pairs) / n)
-        if s in checkpoints:
-            t = time.perf_counter()
-            curve.append((s * n * sizes.batch, _lm.evaluate(averaged(), val)))
-            eval_s += time.perf_counter() - t
-            _say(f"{arm} ({n} learners): step {s}/{steps}, loss {curve[-1][1]:.4f}")
-    wall = time.perf_counter() - started - eval_s
-    final = averaged()
-    if save is not None:
-        torch.save({k: q.detach().clone() for k, q in final.named_parameters()}, save)
-    result: dict[str, Any] = {
-        "arm": arm,
-        "family": "main",
-        "learners": n,
-        "final_loss": curve[-1][1],
-        "curve": curve,
-        "wall_s": wall,
-        "train_loss": _lm.tail_mean(losses),
-        "sync_points": 0,
-        "rounds": 0,
-        "extra": {},
-    }
-    if arm == "solo-average":
-        result["learner_losses"] = [_lm.evaluate(c, val) for c in copies]
-    return result
-
-
 def inprocess(job: Mapping[str, Any]) -> dict[str, Any]:
     sizes = _lm.Sizes.from_json(job["sizes"])
     torch.set_num_threads(sizes.threads)
     shards, val = _lm.load_data(Path(job["data"]))
-    if job.get("learners") is not None:
-        save = Path(job["save"]) if job.get("save") else None
-        assert len(shards) == int(job["learners"]), "one shard per learner"
-        out = inprocess_n(job["arm"], sizes, shards, val, save)
-        return {"mode": "inprocess", **out, **_library()}
     result = _lm.run_inprocess(
         job["arm"],
         sizes,
@@ -603,7 +465,7 @@ def inprocess(job: Mapping[str, Any]) -> dict[str, Any]:
         save=Path(job["save"]) if job.get("save") else None,
         progress=_say,
     )
-    return {"mode": "inprocess", **dataclasses.asdict(result), **_library()}
+    return {"mode": "inprocess", **result, **_library()}
 
 
 MODES = {"learner": learner, "evaluate": evaluate, "inprocess": inprocess}

@@ -1,6 +1,7 @@
 """A recording mailbox: every call of a learner's session, with its thread, key, bytes and
-times, and what each blob key carried (learned from the records the learners wrote). Used
-by benchmarks 3 and 6 to split bytes by purpose and latency into phases."""
+times, how many keys each listing returned, and what each blob key carried (learned from the
+records the learners wrote, Moshpit's group records included). Used by ``rounds``, ``scale``
+and ``idle`` to split bytes by purpose and latency into phases."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import gradientmail as gm
+from gradientmail import wire as p
+from gradientmail.errors import ProtocolError
 
 
 @dataclass(frozen=True)
@@ -28,13 +31,16 @@ class Op:
 
 
 class Registry:
-    """What each blob key carried, learned from the records the learners wrote."""
+    """What each blob key carried, learned from the records the learners wrote; and per
+    Moshpit ``group-rounds/`` record created, its closer and its member count."""
 
     def __init__(self) -> None:
         self.purpose: dict[str, str] = {}
         self.closer: dict[int, str] = {}  # round -> the learner whose record won
         self.params_round: dict[str, int] = {}  # params blob -> its round
         self.part_of: dict[str, str] = {}  # a part's key -> its index (the payload key)
+        self.group_closer: dict[tuple[int, str], str] = {}
+        self.group_members: dict[tuple[int, str], int] = {}
         self.lock = threading.Lock()
 
     def payload(self, key: str) -> str:
@@ -42,82 +48,87 @@ class Registry:
         return self.part_of.get(key, key)
 
     def note_put(self, learner: str, key: str, data: bytes, created: bool) -> None:
-        if key.startswith("blobs/") and key.endswith(".parts"):
-            with contextlib.suppress(ValueError, KeyError, TypeError):
-                parts = [part["key"] for part in json.loads(data)["parts"]]
-                with self.lock:
-                    for part in parts:
-                        self.part_of.setdefault(part, key)
-        elif key.startswith("snapshots/"):
-            with contextlib.suppress(ValueError, KeyError):
-                with self.lock:
-                    self.purpose.setdefault(json.loads(data)["payload"], "snapshot")
-        elif key.startswith("rounds/") and created:
-            with contextlib.suppress(ValueError, KeyError):
+        with contextlib.suppress(ValueError, KeyError, TypeError, ProtocolError), self.lock:
+            if key.startswith("blobs/") and key.endswith(".parts"):
+                for part in json.loads(data)["parts"]:
+                    self.part_of.setdefault(part["key"], key)
+            elif key.startswith("snapshots/"):
+                self.purpose.setdefault(json.loads(data)["payload"], "snapshot")
+            elif key.startswith("rounds/") and created:
                 record = json.loads(data)
-                with self.lock:
-                    self.purpose[record["params"]] = "params"
-                    self.params_round[record["params"]] = int(record["round"])
-                    if record.get("momentum"):
-                        self.purpose[record["momentum"]] = "momentum"
-                    self.closer[int(record["round"])] = learner
+                self.purpose[record["params"]] = "params"
+                self.params_round[record["params"]] = int(record["round"])
+                if record.get("momentum"):
+                    self.purpose[record["momentum"]] = "momentum"
+                self.closer[int(record["round"])] = learner
+            elif key.startswith(p.GROUP_SNAPSHOTS):
+                self.purpose.setdefault(p.decode_snapshot(key, data).payload, "snapshot")
+            elif key.startswith(p.GROUP_ROUNDS) and created:
+                commit = p.decode_commit(key, data)
+                group = p.parse_group_round_key(key)
+                if len(commit.contributors) > 1:  # alone: its own snapshot's payload
+                    self.purpose.setdefault(commit.params, "group params")
+                self.group_closer[group] = learner
+                self.group_members[group] = len(commit.contributors)
 
 
 class Recorder(gm.Mailbox):
-    """Passes every call to ``inner`` and logs it (thread, key, bytes, start and end)."""
+    """Passes every call to ``inner`` and logs it (thread, key, bytes, start and end); each
+    listing's ``(end, learner, keys returned)`` goes to ``listed`` when given."""
 
-    def __init__(self, inner: gm.Mailbox, learner: str, log: list[Op], registry: Registry):
+    def __init__(
+        self,
+        inner: gm.Mailbox,
+        learner: str,
+        log: list[Op],
+        registry: Registry,
+        listed: list[tuple[float, str, int]] | None = None,
+    ):
         self.inner = inner
         self.learner = learner
         self.log = log
         self.registry = registry
+        self.listed = listed
 
-    def _thread(self) -> str:
+    def _note(self, op: str, key: str, up: int, down: int, start: float, ok: bool | None) -> None:
         name = threading.current_thread().name  # the Session's loop threads are named
-        if name.startswith("gm-comm"):
-            return "comm"
-        return "sync" if name.startswith("gm-sync") else "main"
+        thread = {"gm-comm": "comm", "gm-sync": "sync"}.get(name[:7], "main")
+        self.log.append(Op(self.learner, thread, op, key, up, down, start, time.monotonic(), ok))
 
     async def put_if_absent(self, key: str, data: bytes) -> bool:
-        thread, start = self._thread(), time.monotonic()
-        created = None
+        start, created = time.monotonic(), None
         try:
             created = await self.inner.put_if_absent(key, data)
             return created
         finally:
-            self.log.append(
-                Op(self.learner, thread, "put", key, len(data), 0, start, time.monotonic(), created)
-            )
+            self._note("put", key, len(data), 0, start, created)
             if created is not None:
                 self.registry.note_put(self.learner, key, data, created)
 
     async def get(self, key: str) -> bytes | None:
-        thread, start = self._thread(), time.monotonic()
-        data = None
+        start, data = time.monotonic(), None
         try:
             data = await self.inner.get(key)
             return data
         finally:
-            size = len(data or b"")
-            self.log.append(Op(self.learner, thread, "get", key, 0, size, start, time.monotonic()))
+            self._note("get", key, 0, len(data or b""), start, None)
 
     async def list(self, prefix: str, *, after: str = "") -> Sequence[str]:
-        thread, start = self._thread(), time.monotonic()
+        start = time.monotonic()
         try:
-            return await self.inner.list(prefix, after=after)
+            keys = await self.inner.list(prefix, after=after)
         finally:
-            self.log.append(Op(self.learner, thread, "list", prefix, 0, 0, start, time.monotonic()))
+            self._note("list", prefix, 0, 0, start, None)
+        if self.listed is not None:
+            self.listed.append((time.monotonic(), self.learner, len(keys)))
+        return keys
 
     async def delete(self, keys: Iterable[str]) -> None:
-        keys = list(keys)
-        thread, start = self._thread(), time.monotonic()
+        keys, start = list(keys), time.monotonic()
         try:
             await self.inner.delete(keys)
         finally:
-            first = keys[0] if keys else ""
-            self.log.append(
-                Op(self.learner, thread, "delete", first, 0, 0, start, time.monotonic())
-            )
+            self._note("delete", keys[0] if keys else "", 0, 0, start, None)
 
 
 def round_of(key: str) -> int | None:

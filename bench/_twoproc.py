@@ -1,30 +1,20 @@
-"""Two learner processes in one run, for benchmarks 4 (training-thread cost) and 5 (time to
-a synchronized model). Each is a spawned process with its own ``gm.Session`` on a mailbox
-shared only through the store (a directory, or a SeaweedFS bucket started for the run).
+"""Two learner processes in one run, for ``step`` (4) and ``sync`` (5): each a spawned
+process with its own ``gm.Session`` on a mailbox shared only through the store.
 
-Two modes:
+- ``sync``: ``params`` float32 parameters in one fragment. Before each round both perturb
+  their parameters, meet at a barrier and make the due ``step()`` call together; then each
+  calls ``step()`` between 1 ms sleeps (standing in for training) until the commit is
+  applied. Recorded per round and process: when the due call began and how long it held the
+  thread, when ``Published`` fired, when the applying call began and how long it took.
+- ``train``: the 1M-parameter MLP trained for real with ``DiLoCo()`` defaults; every
+  ``step()`` call and training step timed, after bare steps measured before joining.
 
-- ``sync``: a model of ``params`` float32 parameters in one fragment; before each round
-  both processes perturb their parameters, meet at a barrier, and make the due ``step()``
-  call together (it copies the fragment out); then each keeps calling ``step()`` between
-  1 ms sleeps (standing in for training) until the commit is applied, and moves on to the
-  next due step with cheap plain calls (``sync_every`` is large so no due step comes while
-  a round is in flight). Recorded per round and process: when the due call began, how long
-  it held the thread, when ``Published`` fired (the snapshot is in the store), when the
-  call that applied the commit began and how long it took.
-- ``train``: the 1M-parameter MLP trained for real (forward + backward + SGD, batch 32)
-  with ``DiLoCo()`` defaults (sync_every=100, one fragment); every ``step()`` call and every
-  training step is timed, after bare training steps measured in the same process before it
-  joins.
-
-``time.monotonic`` is one clock for all processes of a machine, so the parent can line the
-two processes' timestamps up.
+``time.monotonic`` is one clock for the processes of a machine: the parent lines them up.
 """
 
 from __future__ import annotations
 
 import os
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -55,16 +45,10 @@ def _learner(index: int, box: gm.Mailbox, config: Config, barrier: Any, queue: A
 
 
 def _learn(index: int, box: gm.Mailbox, config: Config, barrier: Any) -> dict[str, Any]:
-    events: list[tuple[float, ev.Event]] = []
-    lock = threading.Lock()
-
-    def on_event(event: ev.Event) -> None:
-        with lock:
-            events.append((time.monotonic(), event))
-
-    # Two learner processes share the machine's cores: one intra-op thread each (OpenMP
-    # threads of two processes spinning on two cores slow both down by an order of magnitude).
+    # One intra-op thread each: OpenMP threads of two processes spinning on two cores slow
+    # both down by an order of magnitude.
     torch.set_num_threads(config.threads)
+    events = _procs.Events()
     bare: list[float] = []
     if config.mode == "train":
         barrier.wait(timeout=120)  # both measure their bare steps at the same time
@@ -80,7 +64,7 @@ def _learn(index: int, box: gm.Mailbox, config: Config, barrier: Any) -> dict[st
         mailbox=box,
         learner_id=f"proc-{index}",
         poll_interval=config.poll_interval,
-        on_event=on_event,
+        on_event=events,
     )
     result: dict[str, Any] = {"index": index, "bare_step_s": bare}
     barrier.wait(timeout=120)  # both joined
@@ -91,56 +75,45 @@ def _learn(index: int, box: gm.Mailbox, config: Config, barrier: Any) -> dict[st
             result |= _sync_rounds(index, session, config, barrier)
     finally:
         session.close(timeout=60)
-    with lock:
-        result["published"] = {e.round: t for t, e in events if isinstance(e, ev.Published)}
-        result["committed"] = {
-            e.round: t for t, e in events if isinstance(e, ev.Committed) and not e.adopted
-        }
-        result["applied"] = {
-            e.round: (t, e.contributed) for t, e in events if isinstance(e, ev.Applied)
-        }
-        result["failures"] = [
-            repr(e)
-            for _, e in events
-            if isinstance(e, ev.PollFailed | ev.PublishFailed | ev.RoundFailed)
-        ]
     counters = session.counters()
-    result["skipped_syncs"] = counters.skipped_syncs
-    result["requests"] = sum(counters.requests.values())
-    return result
+    return result | {
+        "published": {e.round: t for t, e in events.of(ev.Published)},
+        "committed": {e.round: t for t, e in events.of(ev.Committed) if not e.adopted},
+        "applied": {e.round: (t, e.contributed) for t, e in events.of(ev.Applied)},
+        "failures": events.failures(),
+        "skipped_syncs": counters.skipped_syncs,
+        "requests": sum(counters.requests.values()),
+    }
+
+
+def _timed(session: gm.Session, **kwargs: Any) -> float:
+    t = time.perf_counter()
+    session.step(**kwargs)
+    return time.perf_counter() - t
 
 
 def _sync_rounds(index: int, session: gm.Session, config: Config, barrier: Any) -> dict[str, Any]:
-    params = list(session.model.parameters())
     noise = torch.randn(4096, generator=torch.Generator().manual_seed(index)) * 1e-4
     due = session.algorithm.sync_every
     rounds = []
     plain: list[float] = []
     for _ in range(config.warmup + config.rounds):
-        # Plain calls up to the step before the next due one (cheap, no sleep).
-        while (session.steps + 1) % due:
-            t = time.perf_counter()
-            session.step()
-            plain.append(time.perf_counter() - t)
+        while (session.steps + 1) % due:  # plain calls up to the one before the due call
+            plain.append(_timed(session))
         with torch.no_grad():  # local progress, different on each learner
-            for p in params:
-                flat = p.view(-1)
-                n = min(flat.numel(), noise.numel())
-                flat[:n].add_(noise[:n])
+            for p in session.model.parameters():
+                n = min(p.numel(), noise.numel())
+                p.view(-1)[:n].add_(noise[:n])
         before = session.rounds
         barrier.wait(timeout=120)
         due_at = time.monotonic()
-        t = time.perf_counter()
-        session.step()
-        snapshot_s = time.perf_counter() - t
+        snapshot_s = _timed(session)
         deadline = time.monotonic() + config.timeout
         apply_at = apply_s = float("nan")
         while time.monotonic() < deadline:
             time.sleep(0.001)  # "training"
             at = time.monotonic()
-            t = time.perf_counter()
-            session.step()
-            took = time.perf_counter() - t
+            took = _timed(session)
             if session.rounds != before:
                 apply_at, apply_s = at, took
                 break
@@ -165,17 +138,14 @@ def _train(session: gm.Session, model: torch.nn.Module, config: Config) -> dict[
         before_rounds, before_skipped = session.rounds, session.counters().skipped_syncs
         t = time.perf_counter()
         trainer.step()
-        t1 = time.perf_counter()
-        session.step(samples=32)
-        t2 = time.perf_counter()
+        train_s.append(time.perf_counter() - t)
+        took = _timed(session, samples=32)
         due = session.algorithm.due_fragment(session.steps) is not None
-        skipped = session.counters().skipped_syncs != before_skipped
-        if due and not skipped:
+        if due and session.counters().skipped_syncs == before_skipped:
             kind = "snapshot"
         else:
             kind = "apply" if session.rounds != before_rounds else "plain"
-        train_s.append(t1 - t)
-        calls.append((kind, t2 - t1))
+        calls.append((kind, took))
     return {"train_s": train_s, "calls": calls}
 
 
@@ -185,26 +155,24 @@ def _train(session: gm.Session, model: torch.nn.Module, config: Config) -> dict[
 def run(ctx: h.Context, backend: str, config: Config) -> dict[str, Any]:
     """Run (or reuse from ``ctx.cache``) two learner processes; return both results."""
     key = f"twoproc {backend} {config}"
-    if key in ctx.cache:
-        return dict(ctx.cache[key])
-    if config.mode == "sync":
-        what = f"{config.warmup} + {config.rounds} rounds of {config.params / 1e6:.0f}M params"
-    else:
-        what = f"the 1M-param MLP, {config.steps} training steps"
-    h.progress(f"two learner processes on {backend}: {what}")
-    os.sync()  # earlier runs' dirty pages written back first: they would slow our fsyncs
-    with _procs.store(backend, ctx.workdir, "twoproc") as box:
-        procs, queue, _ = _procs.spawn(_learner, 2, (box, config), "twoproc")
-        limit = 60 + config.timeout * (config.rounds + config.warmup + 2)
-        results, errors = _procs.gather(procs, queue, 2, "twoproc", limit_s=limit)
-    if errors or len(results) < 2:
-        raise RuntimeError(f"learner processes failed: {errors or 'no result'}")
-    out = {"backend": backend, "config": config.__dict__, "learners": results}
-    ctx.cache[key] = out
-    return dict(out)
+    if key not in ctx.cache:
+        if config.mode == "sync":
+            what = f"{config.warmup} + {config.rounds} rounds of {config.params / 1e6:.0f}M params"
+        else:
+            what = f"the 1M-param MLP, {config.steps} training steps"
+        h.progress(f"two learner processes on {backend}: {what}")
+        os.sync()  # earlier runs' dirty pages written back first: they would slow our fsyncs
+        with _procs.store(backend, ctx.workdir, "twoproc") as box:
+            procs, queue, _ = _procs.spawn(_learner, 2, (box, config), "twoproc")
+            limit = 60 + config.timeout * (config.rounds + config.warmup + 2)
+            results, errors = _procs.gather(procs, queue, 2, "twoproc", limit_s=limit)
+        if errors or len(results) < 2:
+            raise RuntimeError(f"learner processes failed: {errors or 'no result'}")
+        ctx.cache[key] = {"backend": backend, "config": config.__dict__, "learners": results}
+    return dict(ctx.cache[key])
 
 
-def sync_rounds(result: dict[str, Any]) -> list[dict[str, float]]:
+def sync_rounds(result: dict[str, Any]) -> list[dict[str, Any]]:
     """Per measured round: both due -> both published -> both applied, and the per-process
     step() times at the due call and at the applying call."""
     a, b = result["learners"]

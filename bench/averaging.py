@@ -2,37 +2,22 @@
 library's grid (``gradientmail.algorithms.moshpit``), against the paper's claims and against
 random groups of the same size.
 
-N learners each hold a random float64 vector (dimension 1000; ``--quick`` 100). Learner
-``i`` holds slot ``i`` (slots are dense) and starts at ``initial_index(i, M, d)``. In group
-round ``t`` (1, 2, ...) each learner that takes part joins the learners of its
-``group_key(index, t)`` (a line of the grid); the group's members take the weighted sum
-with :meth:`Moshpit.weights` (members in learner-id order, sample-weighted), then each
-updates its index with ``next_index``. A learner alone in its group keeps its vector.
-Dropout: in each round each learner independently skips with probability 0, 10% or 30%
-(fixed seeds); it keeps its vector and its index and rejoins the next round. The baseline
-shuffles the learners that take part and cuts them into groups of M, with the same initial
-vectors and the same dropouts. The vectors, sums and spreads are float64 (the engine sums in
-float32): differences below ~1e-30 are rounding.
+N learners each hold a random float64 vector (dimension 1000; ``--quick`` 100); learner
+``i`` holds slot ``i`` and starts at ``initial_index(i, M, d)``. In group round ``t`` each
+learner that takes part joins the learners of its ``group_key(index, t)``; the members take
+the sample-weighted sum with :meth:`Moshpit.weights`, then move with ``next_index``. Dropout:
+each learner skips each round with probability 0, 10% or 30% (fixed seeds), keeping its
+vector and index. The baseline cuts the same live learners, shuffled, into groups of M.
 
-Measured per (M, d, N, dropout), as the mean over trials (different seeds):
-
-- the relative spread: mean over learners of ||x_i − x̄||², divided by its initial value,
-  after every round, where x̄ is the mean of the *initial* vectors (sample-weighted in the
-  unequal-samples table);
-- the drift of that mean: max over rounds of ||mean(x_t) − x̄||² / initial spread (sample-
-  weighted averaging preserves the sample-weighted mean of all learners, dropped ones
-  included: this checks it);
-- the per-round decay factor, fitted by least squares on log spread over the rounds where
-  the spread is above 1e-12, to compare with Theorem 3.2's ``(1 − ρ)^K``; for random groups
-  with no dropout, the expected factor is exactly (N − M) / (M (N − 1)) (sampling without
-  replacement), shown beside the fit.
-
-The paper's claims: on a full grid (N = M^d) with no dropout, the spread is exactly 0 (to
-float precision) after d rounds (checked: < 1e-20 relative); with dropout it falls
-exponentially; the grid beats random groups. Configurations: full grids M=2 with d=2..7,
-M=4 with d=2, 3, M=8 and M=10 with d=2; a partial grid N=100 on M=4, d=4 (256 cells); an
-over-full one, N=80 on M=4, d=3 (64 cells: slots past 63 wrap around, so ``next_index``
-moves learners that share a cell).
+Measured per (M, d, N, dropout), mean over trials: the relative spread (mean over learners of
+||x_i − x̄||² over its initial value, x̄ the mean of the initial vectors, sample-weighted in
+the unequal-samples table) after every round; the drift of the mean (sample-weighted
+averaging preserves it, dropped learners included); the per-round decay factor fitted on log
+spread, beside (N − M) / (M (N − 1)) for random groups without dropout. The paper's claims:
+on a full grid (N = M^d) without dropout the spread is exactly 0 after d rounds (< 1e-20
+relative here); with dropout it falls exponentially; the grid beats random groups.
+Configurations: full grids M=2, d=2..7; M=4, d=2, 3; M=8 and M=10, d=2; a partial grid N=100
+on M=4, d=4; an over-full one, N=80 on M=4, d=3 (slots past 63 wrap around).
 
     .venv/bin/python -m bench.averaging [--quick] [--plot PATH] [--out PATH]
     .venv/bin/python -m bench averaging [--quick]       # within the suite
@@ -43,8 +28,6 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
@@ -138,13 +121,9 @@ class Curve:
 
 def fit_decay(spread: Sequence[float], floor: float = FIT_FLOOR) -> float:
     """exp(slope) of log spread against round, least squares over the rounds above ``floor``."""
-    pts = [(k, math.log(s)) for k, s in enumerate(spread) if s > floor]
-    if len(pts) < 2:
-        return math.nan
-    mx = sum(k for k, _ in pts) / len(pts)
-    my = sum(y for _, y in pts) / len(pts)
-    sxx = sum((k - mx) ** 2 for k, _ in pts)
-    return math.exp(sum((k - mx) * (y - my) for k, y in pts) / sxx)
+    return math.exp(
+        h.least_squares([(k, math.log(s)) for k, s in enumerate(spread) if s > floor])[0]
+    )
 
 
 def learner_id(i: int) -> str:
@@ -381,19 +360,13 @@ def write_plot(pairs: Sequence[tuple[Curve, ...]], path: Path) -> str:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel(f"relative spread (exact zeros drawn at {PLOT_FLOOR:.0e})")
     axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    h.progress(f"plot: {path}")
-    return str(path)
+    return h.save_figure(fig, path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m bench.averaging``: this benchmark alone; the report on stdout."""
     parser = argparse.ArgumentParser(
-        prog="python -m bench.averaging",
-        description=(__doc__ or "").split("\n\n")[0],
+        prog="python -m bench.averaging", description=(__doc__ or "").split("\n\n")[0]
     )
     parser.add_argument("--quick", action="store_true", help="three small configs, 2 trials")
     parser.add_argument(
@@ -405,19 +378,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="also write the Markdown here")
     parser.add_argument("--trials", type=int, default=None, help="trials per configuration")
     args = parser.parse_args(argv)
-    options: dict[str, Any] = {"plot": str(args.plot)}
-    if args.trials is not None:
-        options["trials"] = args.trials
-    started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="gm-bench-") as tmp:
-        ctx = h.Context(quick=args.quick, large=False, workdir=Path(tmp), options={NAME: options})
-        report = run(ctx)
-    report.seconds = time.monotonic() - started
-    text = report.render()
-    print(text, flush=True)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    options = {"plot": str(args.plot)} | ({} if args.trials is None else {"trials": args.trials})
+    h.alone(run, quick=args.quick, options={NAME: options}, markdown=args.out, header=False)
     return 0
 
 

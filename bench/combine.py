@@ -1,26 +1,16 @@
 """Benchmark 2 — combine: the closer's sample-weighted average of N snapshots plus the outer
 Nesterov step (``DiLoCo.combine``), for N = 2, 4, 8 snapshots of one fragment.
 
-Measured, for a fragment of ``--params`` float32 parameters (default 100M = 400 MB;
-``--quick`` 10M) and each N, median and min–max over repetitions, interleaved:
+For a fragment of ``--params`` float32 parameters (100M; ``--quick`` 10M) and each N, median
+and min–max over interleaved repetitions: input bytes per second ((N snapshots + base +
+momentum) / time) against memcpy of the same bytes into existing memory, and a copy into
+fresh memory beside it; ``DiLoCo.combine`` with both outputs allocated per call, as the
+closer runs it (new parameters into ``BufferPool`` buffers, the momentum in place over its
+cached one), and with both outputs reused (``out=``), checked bitwise equal; and the fresh
+storage each call allocates (a ``TorchDispatchMode``), in fragments (the outputs are 2.00).
 
-- throughput in input bytes per second: (N snapshots + the base parameters + the momentum)
-  / time, against memcpy of the same input bytes into existing memory (``Tensor.copy_``)
-  measured in the same run; and, to show what fresh memory costs, the same copy into memory
-  allocated per call (``torch.empty_like`` + ``copy_``, the copies alive to the call's end);
-- ``DiLoCo.combine`` in three configurations: both outputs allocated per call (``out=None``);
-  the closer's (``gradientmail/engine/closer.py``): new parameters into buffers from its
-  ``BufferPool`` (reused once nothing refers to them, as here, where each call's result is
-  dropped: in training, once the training thread moves past that commit), the new momentum
-  written in place over the momentum input (the closer's own cached buffer); and
-  both outputs reused across calls (``out=`` the same buffers every call). The three are
-  checked bitwise equal;
-- memory: bytes of fresh tensor storage each call allocates (counted by a
-  ``TorchDispatchMode``), in fragments: the two outputs (new parameters, new momentum) are
-  2.00; everything beyond them is temporaries.
-
-Target: >= 50% of memcpy bandwidth (judged on the closer's configuration), no full-size
-temporaries beyond one accumulator.
+Target: >= 50% of memcpy bandwidth (the closer's configuration), no full-size temporaries
+beyond one accumulator.
 """
 
 from __future__ import annotations
@@ -42,6 +32,7 @@ from torch.utils._pytree import tree_leaves
 import gradientmail as gm
 from bench import _harness as h
 from bench._workload import build_model
+from gradientmail.ledger import GLOBAL
 from gradientmail.payload.buffers import BufferPool
 
 NAME = "combine"
@@ -49,12 +40,12 @@ NAME = "combine"
 Contribution = tuple[str, int, Mapping[str, torch.Tensor]]
 
 
-class AllocationCounter(TorchDispatchMode):
+class AllocationCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Counts the bytes of fresh storage that tensor operations return, and the peak of
     those still alive."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.allocated = 0
         self.live = 0
         self.peak = 0
@@ -121,7 +112,7 @@ def run(ctx: h.Context) -> h.Report:
     # The closer's cached momentum: each call updates it in place (the values drift from
     # call to call, the work does not).
     cached = {k: v.clone() for k, v in momentum.items()}
-    pool = BufferPool()  # the closer's new-parameter buffers
+    pool = BufferPool(GLOBAL)  # the closer's new-parameter buffers
 
     table = report.table(
         f"Combine of one {frag / 1e6:.0f} MB fragment ({params / 1e6:.0f}M float32 "
@@ -168,7 +159,7 @@ def run(ctx: h.Context) -> h.Report:
             algorithm.combine(base, momentum, contributions)
 
         def closer(contributions: list[Contribution] = contributions) -> None:
-            params_out = pool.take(0, base)
+            params_out = pool.take(base)
             algorithm.combine(base, cached, contributions, out=(params_out, cached))
 
         def reuse(contributions: list[Contribution] = contributions) -> None:
@@ -199,16 +190,8 @@ def run(ctx: h.Context) -> h.Report:
         stats = h.measure_interleaved({"memcpy": memcpy, FRESH: fresh_copy, **variants}, reps)
         ref = stats["memcpy"]
         ref_rate = ref.rate(in_bytes).median
-        table.add(
-            n,
-            "memcpy of the inputs",
-            h.secs_range(ref),
-            h.gbps(ref.rate(in_bytes)),
-            "100.0%",
-            "-",
-            "-",
-            "-",
-        )
+        throughput = h.gbps(ref.rate(in_bytes))
+        table.add(n, "memcpy of the inputs", h.secs_range(ref), throughput, "100.0%", *"---")
         for label, fn in {FRESH: fresh_copy, **variants}.items():
             st = stats[label]
             counter = AllocationCounter()
@@ -288,13 +271,9 @@ def main() -> int:
     args = parser.parse_args()
     from bench.__main__ import run_suite
 
-    options = {
-        NAME: {
-            "params": h.count(args.params) if args.params else None,
-            "reps": args.reps,
-            "n": [int(x) for x in args.n.split(",")] if args.n else None,
-        }
-    }
+    n = [int(x) for x in args.n.split(",")] if args.n else None
+    params = h.count(args.params) if args.params else None
+    options = {NAME: {"params": params, "reps": args.reps, "n": n}}
     return run_suite([NAME], quick=args.quick, options=options)
 
 

@@ -2,7 +2,7 @@
 (``DecentralizedAverager.step()``) of one float32 tensor of 10M parameters between 2 local
 processes over loopback, measured once per suite run and shared.
 
-hivemind runs in a venv of its own (see ``hivemind_setup.py``), driven as a subprocess
+hivemind runs in a venv of its own (``hivemind_setup.py``), driven as a subprocess
 (``_hivemind_worker.py``). ``min_matchmaking_time`` is 0.5 s (``request_timeout`` 0.25 s):
 the fastest of 0.1 / 0.2 / 0.5 / 1 / 5 s tried on this machine (the default, 5 s, measured
 ~0.5 s rounds, 0.5 s ~0.3 s), so the reference is hivemind at its best here.
@@ -10,37 +10,39 @@ the fastest of 0.1 / 0.2 / 0.5 / 1 / 5 s tried on this machine (the default, 5 s
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import signal
 import statistics
-import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
 from bench import _harness as h
-from bench.hivemind_setup import Unavailable, locate
+from bench.hivemind_setup import Unavailable, locate, run_worker
 
 WORKER = Path(__file__).resolve().parent / "_hivemind_worker.py"
+ATTEMPTS = 2  # hivemind's matchmaking sometimes finds no group at all; one retry
+ATTEMPT_SECONDS = 150.0
 
 
 def reference(ctx: h.Context) -> dict[str, Any]:
     """Round times of hivemind's blocking averaging, cached in ``ctx``; raises
     :class:`Unavailable` (with the reason) when hivemind cannot be run."""
-    cached = ctx.cache.get("hivemind")
+    if "hivemind" not in ctx.cache:
+        try:
+            ctx.cache["hivemind"] = _measure(ctx)
+        except Unavailable as exc:
+            ctx.cache["hivemind"] = exc
+    cached = ctx.cache["hivemind"]
     if isinstance(cached, Unavailable):
         raise cached
-    if cached is not None:
-        return dict(cached)
+    return dict(cached)
+
+
+def reference_or_note(ctx: h.Context, report: h.Report) -> dict[str, Any] | None:
+    """:func:`reference`, or None with the reason among ``report``'s notes."""
     try:
-        result = _measure(ctx)
+        return reference(ctx)
     except Unavailable as exc:
-        ctx.cache["hivemind"] = exc
-        raise
-    ctx.cache["hivemind"] = result
-    return dict(result)
+        report.notes.append(f"hivemind reference not measured: {exc}")
+        return None
 
 
 def _measure(ctx: h.Context) -> dict[str, Any]:
@@ -48,28 +50,14 @@ def _measure(ctx: h.Context) -> dict[str, Any]:
     if opts.get("disabled"):
         raise Unavailable("skipped (--no-hivemind)")
     python = locate(opts.get("python"))
-    params = 10_000_000
-    rounds = ctx.pick(8, 4)
-    warmup = 2
+    params, rounds, warmup = 10_000_000, ctx.pick(8, 4), 2
     h.progress(f"hivemind: {warmup} + {rounds} averaging rounds of {params / 1e6:.0f}M float32")
-    command = [
-        str(python),
-        "-I",  # not the project's path: bench/ must not shadow anything hivemind imports
-        str(WORKER),
-        "--params",
-        str(params),
-        "--rounds",
-        str(rounds),
-        "--warmup",
-        str(warmup),
-        "--min-matchmaking-time",
-        "0.5",
-    ]
+    command = [str(python), "-I", str(WORKER), "--params", str(params), "--rounds",
+               str(rounds), "--warmup", str(warmup), "--min-matchmaking-time", "0.5"]  # fmt: skip
     out: dict[str, Any] | None = None
     failure = ""
     for attempt in range(1, ATTEMPTS + 1):
-        log = ctx.workdir / f"hivemind-{attempt}.log"
-        out, failure = _attempt(command, log)
+        out, failure = run_worker(command, ctx.workdir / f"hivemind-{attempt}.log", ATTEMPT_SECONDS)
         if out is not None and any(
             a["ok"] and b["ok"]
             for a, b in zip(
@@ -90,8 +78,7 @@ def _measure(ctx: h.Context) -> dict[str, Any]:
     both: list[float] = []
     agree = True
     failed = 0
-    first, second = peers[0]["rounds"], peers[1]["rounds"]
-    for a, b in zip(first[warmup:], second[warmup:], strict=True):
+    for a, b in zip(peers[0]["rounds"][warmup:], peers[1]["rounds"][warmup:], strict=True):
         if not (a["ok"] and b["ok"]):
             failed += 1
             continue
@@ -112,45 +99,3 @@ def _measure(ctx: h.Context) -> dict[str, Any]:
         "round_s": both,  # from both having called step() to both having returned
         "round_median_s": statistics.median(both),
     }
-
-
-ATTEMPTS = 2  # hivemind's matchmaking sometimes finds no group at all; one retry
-ATTEMPT_SECONDS = 150.0
-
-
-def _attempt(command: list[str], log: Path) -> tuple[dict[str, Any] | None, str]:
-    """Run the worker once; return its JSON record (or None) and what went wrong.
-
-    The worker runs in a session of its own and the whole process group is killed at the
-    end: hivemind forks DHT and p2pd processes that outlive a killed peer, and would
-    otherwise keep running (and, were stdout a pipe, keep the parent waiting for EOF)."""
-    out_path = log.with_suffix(".json")
-    with open(log, "w") as err, open(out_path, "w") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=err, start_new_session=True)
-        deadline = time.monotonic() + ATTEMPT_SECONDS
-        try:
-            while proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.2)
-            timed_out = proc.poll() is None
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-    if timed_out:
-        return None, f"the hivemind worker ran past {ATTEMPT_SECONDS:.0f} s: {_log_tail(log)}"
-    lines = [x for x in out_path.read_text().splitlines() if x.startswith("{")]
-    if not lines:
-        return None, f"the worker exited {proc.returncode} without a result: {_log_tail(log)}"
-    record: dict[str, Any] = json.loads(lines[-1])
-    errors = [p["error"] for p in record["peers"] if "error" in p]
-    if errors:
-        return None, f"hivemind peers failed: {errors}; {_log_tail(log)}"
-    return record, _log_tail(log)
-
-
-def _log_tail(path: Path, lines: int = 6) -> str:
-    try:
-        text = path.read_text(errors="replace").strip().splitlines()
-    except OSError:
-        return "(no log)"
-    return " | ".join(text[-lines:])

@@ -14,10 +14,15 @@ venv with hivemind can be named with ``--hivemind-python`` or
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -115,6 +120,38 @@ def locate(explicit: str | None = None, *, install: bool = True) -> Path:
     if not install:
         raise Unavailable(f"no hivemind venv at {VENV}; run python -m bench.hivemind_setup")
     return create(VENV)
+
+
+def run_worker(
+    command: list[str], log: Path, wall_s: float, lines: int = 6
+) -> tuple[dict[str, Any] | None, str]:
+    """Run a hivemind worker; its JSON record (the last ``{`` line of its stdout) and the tail
+    of its log, or None and what went wrong. It runs in a session of its own whose process
+    group is killed at the end: hivemind's DHT and p2pd processes outlive a killed peer and
+    would keep running (and, were stdout a pipe, keep the parent waiting for EOF)."""
+    out_path = log.with_suffix(".json")
+    with open(log, "w") as err, open(out_path, "w") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=err, start_new_session=True)
+        deadline = time.monotonic() + wall_s
+        try:
+            while proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            timed_out = proc.poll() is None
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+    try:
+        tail = " | ".join(log.read_text(errors="replace").strip().splitlines()[-lines:])
+    except OSError:
+        tail = "(no log)"
+    if timed_out:
+        return None, f"the hivemind worker ran past {wall_s:.0f} s: {tail}"
+    records = [x for x in out_path.read_text().splitlines() if x.startswith("{")]
+    if not records:
+        return None, f"the hivemind worker exited {proc.returncode} without a result: {tail}"
+    record: dict[str, Any] = json.loads(records[-1])
+    return record, tail
 
 
 def main() -> int:

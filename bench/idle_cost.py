@@ -2,22 +2,16 @@
 dollar cost per node-hour at AWS S3 request prices, and how long a commit waits to be seen
 after a learner idled.
 
-Two learners (threads of this process, each with its own ``gm.Session`` at the Session's
-defaults: poll_interval 0.5 s, idle_poll_interval 5 s, lease_timeout 15 s) join a run on the
-filesystem mailbox (requests do not depend on the store) and sit idle for ``window``
-seconds (45; ``--quick`` 15): no fragment due, nothing in flight. Their requests over the
-window come from ``session.counters()``.
-
-Then, ``rounds`` times, both step to a due fragment after idling a few seconds; a recording
-mailbox (``_recorder.py``) times when the closer's ``rounds/`` record was written and when
-each learner's syncer first read it. The delay is compared with ``poll_interval``: a learner
-waiting for its own commit must see it within one poll interval.
+Two learners (threads, each a ``gm.Session`` at the Session's defaults) join a run on the
+filesystem mailbox (requests do not depend on the store) and sit idle for ``window`` seconds
+(45; ``--quick`` 15); their requests come from ``session.counters()``. Then, ``rounds``
+times, both step to a due fragment after idling a few seconds; a recording mailbox
+(``_recorder.py``) times when the closer's ``rounds/`` record was written and when each
+learner's syncer first read it, against ``poll_interval``.
 
 Reference: AWS S3 Standard request prices (us-east-1): PUT, COPY, POST, LIST $0.005 per
-1,000; GET $0.0004 per 1,000; DELETE free.
-
-Target: an idle learner under 30 requests per minute, and no commit delayed by more than one
-poll interval.
+1,000; GET $0.0004 per 1,000; DELETE free. Target: an idle learner under 30 requests per
+minute, and no commit delayed by more than one poll interval.
 """
 
 from __future__ import annotations
@@ -107,29 +101,15 @@ def run(ctx: h.Context) -> h.Report:
                 for s in sessions:
                     s.step()
             r = sessions[0].rounds[0]
-            written = [
-                op.end
-                for op in log
-                if op.op == "put"
-                and op.ok
-                and op.key.startswith("rounds/")
-                and round_of(op.key) == r
-            ]
+            mine = [op for op in log if op.key.startswith("rounds/") and round_of(op.key) == r]
+            written = [op.end for op in mine if op.op == "put" and op.ok]
             seen: dict[str, float] = {}
-            for op in log:
-                if (
-                    op.op == "get"
-                    and op.thread == "sync"
-                    and op.key.startswith("rounds/")
-                    and round_of(op.key) == r
-                ):
+            for op in mine:
+                if op.op == "get" and op.thread == "sync":
                     seen.setdefault(op.learner, op.start)
             if written:
-                for at in seen.values():
-                    delays.append(max(at - written[0], 0.0))
-                for (_, rr), at in applied.items():
-                    if rr == r:
-                        waits.append(at - written[0])
+                delays += [max(at - written[0], 0.0) for at in seen.values()]
+                waits += [at - written[0] for (_, rr), at in applied.items() if rr == r]
             # The closer stages its own commit without reading the record: no delay to see.
     finally:
         for s in sessions:
@@ -157,13 +137,9 @@ def run(ctx: h.Context) -> h.Report:
         ),
     )
     for key in sorted(per_minute):
-        op = key.split(":")[0]
-        table.add(
-            key,
-            f"{per_minute[key]:.1f}",
-            f"${PRICE_PER_1000[op]:.4f}",
-            f"${per_minute[key] * 60 * PRICE_PER_1000[op] / 1000:.5f}",
-        )
+        price = PRICE_PER_1000[key.split(":")[0]]
+        dollars_per_hour = per_minute[key] * 60 * price / 1000
+        table.add(key, f"{per_minute[key]:.1f}", f"${price:.4f}", f"${dollars_per_hour:.5f}")
     table.add("total", f"{total:.1f}", "", f"${dollars:.5f}")
     delay = h.Stats.of(delays)
     wait = h.Stats.of(waits)

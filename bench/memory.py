@@ -1,34 +1,29 @@
 """Benchmark 15 — host memory: the peak resident set a learner costs beyond its training,
 at an ordinary learner and at the closer, with the library's own accounting by purpose.
 
-Per configuration (model of 25M and 100M float32 parameters, 1B with ``--large`` where the
-machine holds it; ``DiLoCo`` with 1 and 4 fragments; 2 and 8 learners; the filesystem
-mailbox and SeaweedFS), the learners are spawned processes on one fresh mailbox, one torch
-thread each, ``quorum_size`` = learners, a generous ``round_timeout``, ``overlap=0``. Each
-builds the model (``_workload.build_model``: square Linear layers), an SGD optimizer (no
-momentum) and makes one training step, records its resident set (the baseline: training's
-own memory is in it), joins with a ``gm.Session``, then trains ``periods`` sync periods of
-``sync_every`` steps with ``step()`` after every optimizer step, and closes. The closer is
-the learner that closed most rounds (``Session.counters().closed``).
+Per configuration (25M and 100M float32 parameters, 1B with ``--large`` where it fits;
+``DiLoCo`` with 1 and 4 fragments; 2 and 8 learners; filesystem and SeaweedFS) the learners
+are spawned processes on a fresh mailbox, one torch thread each, ``quorum_size`` = learners,
+``overlap=0``. Each builds the model (``_workload.build_model``) and plain SGD, makes one
+training step, records its resident set (the baseline), joins with a ``gm.Session``, trains
+``periods`` sync periods calling ``step()`` after every optimizer step, and closes. The
+closer is the learner that closed most rounds. Reference, in the same run: *training
+alone*, the same model and loop in a process that never imports gradientmail. Reported:
+overhead = peak − training-alone peak (MiB, x model, x fragment); the closer's extra peak;
+growth from sync period 5 to the last; ``gm.memory_usage()`` by purpose and what it does
+not account for.
 
-The reference, measured in the same run: *training alone*, the same model and loop in a
-process that never imports gradientmail. Reported: session overhead = learner peak −
-training-alone peak, in MiB and as a multiple of the model's bytes and of one fragment's;
-the closer's additional peak over the learners; growth from sync period 5 to the last;
-``gm.memory_usage()`` (the ledger: peak by purpose, ``peak_total``, ``live_total`` after
-close) and the part of the overhead it does not account for (allocator, arenas, imports).
-
-Targets (reported, never asserted): session overhead ≤ 1× model + 2× fragment (learner);
-the closer's additional peak independent of the number of learners (2 vs 8); no growth over
-rounds. Configurations run one at a time, each only if ``MemAvailable`` covers an estimate
-of its need plus 3 GiB of headroom (else a printed "skipped: needs N GiB"); a configuration
-during which ``MemAvailable`` falls under 1 GiB is stopped. The processes' code is in
-``_memory_worker.py``, the tables and targets in ``_memory_report.py``.
+Targets (reported, never asserted): learner overhead ≤ 1× model + 2× fragment; the closer's
+extra independent of the number of learners; no growth. A configuration runs only if
+``MemAvailable`` covers its estimate plus 3 GiB (else "skipped: needs N GiB") and is stopped
+when ``MemAvailable`` falls under 1 GiB. Processes: ``_memory_worker.py``; tables and
+targets: ``_memory_report.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import sys
 import time
 from dataclasses import dataclass
@@ -84,11 +79,13 @@ def config_for(ctx: h.Context) -> Config:
 # -- running processes -----------------------------------------------------------------------
 
 
-def _collect(
-    procs: list[Any], queue: Any, expected: int, label: str, config: Config
+def _run(
+    config: Config, target: Any, n: int, args: tuple[Any, ...], label: str
 ) -> list[dict[str, Any]]:
-    """Results from ``procs`` until ``expected`` arrived; progress to stderr. The processes
-    are stopped on an error, on the time limit, or when memory runs short."""
+    """``n`` processes ``target`` (a barrier among learners, none for training alone) and
+    their results; progress to stderr. They are stopped on an error, on the time limit, or
+    when memory runs short."""
+    procs, queue, _ = _procs.spawn(target, n, args, "memory", barrier=target is w.learner)
     low = w.mem_available()
 
     def memory_short() -> str | None:
@@ -100,11 +97,11 @@ def _collect(
         return None
 
     def peaks() -> list[str]:  # what the processes reached before they are stopped
-        got = [_hwm(p.pid) for p in procs]
+        got = [w.proc_bytes(f"/proc/{p.pid}/status", "VmHWM") for p in procs]
         return ["peak RSS so far: " + ", ".join(h.size(x) for x in got)] if any(got) else []
 
     results, errors = _procs.gather(
-        procs, queue, expected, label, stall_s=config.stall_s, check=memory_short, on_stop=peaks
+        procs, queue, n, label, stall_s=config.stall_s, check=memory_short, on_stop=peaks
     )
     if errors:
         raise RuntimeError("; ".join(errors))
@@ -113,47 +110,9 @@ def _collect(
     return results
 
 
-def _hwm(pid: int | None) -> int:
-    """A live process's VmHWM (0 once it is gone)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 def _spec(config: Config, params: int, fragments: int, learners: int) -> dict[str, Any]:
-    return {
-        "params": params,
-        "fragments": fragments,
-        "learners": learners,
-        "sync_every": config.sync_every,
-        "periods": config.periods,
-        "batch": config.batch,
-        "poll_interval": config.poll_interval,
-        "round_timeout": config.round_timeout,
-        "timeout": config.timeout,
-        "stall_s": config.stall_s,
-        "sample_s": config.sample_s,
-    }
-
-
-def _alone(config: Config, params: int) -> dict[str, Any]:
-    """Training alone: one process, the same model (as for one fragment) and loop."""
-    spec = _spec(config, params, fragments=1, learners=1)
-    procs, queue, _ = _procs.spawn(w.alone, 1, (spec,), "memory-alone", barrier=False)
-    return _collect(procs, queue, 1, f"{model_name(params)} training alone", config)[0]
-
-
-def _learners(
-    config: Config, params: int, fragments: int, n: int, mailbox: Any, label: str
-) -> list[dict[str, Any]]:
-    spec = _spec(config, params, fragments, n)
-    procs, queue, _ = _procs.spawn(w.learner, n, (spec, mailbox), "memory")
-    return _collect(procs, queue, n, label, config)
+    """What a process needs: the configuration's settings for one model and layout."""
+    return dataclasses.asdict(config) | dict(params=params, fragments=fragments, learners=learners)
 
 
 # -- estimates ----------------------------------------------------------------
@@ -244,42 +203,39 @@ def _measure(
             rows.append(head)
             continue
         h.progress(f"{model_name(params)} ({h.size(params * 4)}): training alone")
-        alones[params] = alone = _alone(config, params)
-        for backend in config.backends:
-            for fragments in config.fragments:
-                for n in sorted(config.learners):
-                    label = f"{model_name(params)} {backend} fragments={fragments} learners={n}"
-                    row = {
-                        "params": params,
-                        "backend": backend,
-                        "fragments": fragments,
-                        "n": n,
-                        "label": label,
-                    }
-                    rows.append(row)
-                    need = _estimate(params, fragments, n, alone, rows)
-                    if skip(row, need, w.mem_available(), "estimate"):
-                        continue
-                    h.progress(f"{label}: starting (estimate {h.size(need)})")
-                    t0 = time.monotonic()
-                    try:
-                        name = f"{model_name(params)}-f{fragments}-n{n}"
-                        with _procs.store(backend, ctx.workdir, f"memory-{name}") as box:
-                            row["learners"] = _learners(config, params, fragments, n, box, label)
-                    except Exception as exc:
-                        row["error"] = f"{type(exc).__name__}: {exc}"
-                        report.notes.append(f"{label}: not measured: {row['error']}")
-                        continue
-                    row["seconds"] = time.monotonic() - t0
-                    _summarize(row, alone, config)
-                    seen = [x for r in row["learners"] for x in r["failure_events"]]
-                    if seen:
-                        report.notes.append(f"{label}: {len(seen)} failure events: {seen[:3]}")
-                    h.progress(
-                        f"{label}: done in {row['seconds']:.0f} s; overhead learner "
-                        f"{h.size(row['learner_overhead'])}, closer "
-                        f"{h.size(row['closer_overhead'])}"
-                    )
+        spec = _spec(config, params, fragments=1, learners=1)  # the model as for 1 fragment
+        label = f"{model_name(params)} training alone"
+        alones[params] = alone = _run(config, w.alone, 1, (spec,), label)[0]
+        grid = itertools.product(config.backends, config.fragments, sorted(config.learners))
+        for backend, fragments, n in grid:
+            label = f"{model_name(params)} {backend} fragments={fragments} learners={n}"
+            row: dict[str, Any] = dict(
+                params=params, backend=backend, fragments=fragments, n=n, label=label
+            )
+            rows.append(row)
+            need = _estimate(params, fragments, n, alone, rows)
+            if skip(row, need, w.mem_available(), "estimate"):
+                continue
+            h.progress(f"{label}: starting (estimate {h.size(need)})")
+            t0 = time.monotonic()
+            try:
+                name = f"memory-{model_name(params)}-f{fragments}-n{n}"
+                with _procs.store(backend, ctx.workdir, name) as box:
+                    spec = _spec(config, params, fragments, n)
+                    row["learners"] = _run(config, w.learner, n, (spec, box), label)
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {exc}"
+                report.notes.append(f"{label}: not measured: {row['error']}")
+                continue
+            row["seconds"] = time.monotonic() - t0
+            _summarize(row, alone, config)
+            seen = [x for r in row["learners"] for x in r["failure_events"]]
+            if seen:
+                report.notes.append(f"{label}: {len(seen)} failure events: {seen[:3]}")
+            h.progress(
+                f"{label}: done in {row['seconds']:.0f} s; overhead learner "
+                f"{h.size(row['learner_overhead'])}, closer {h.size(row['closer_overhead'])}"
+            )
     return alones, rows
 
 
@@ -292,24 +248,22 @@ def run(ctx: h.Context) -> h.Report:
         "(gradientmail not imported), measured in the same run",
     )
     alones, rows = _measure(ctx, config, report)
+    import gradientmail as gm  # not at the top: the training-alone process never imports it
+
     if not any("closer" in r or "skipped" in r for r in rows):
         raise RuntimeError("; ".join(r.get("error", "") for r in rows) or "nothing measured")
     tables(report, config, alones, rows)
     targets(report, config, [r for r in rows if "closer" in r])
     report.data = {
         "config": dataclasses.asdict(config),
-        "ledger": "gm.memory_usage()" if _has_ledger() else "n/a (no gm.memory_usage)",
+        "ledger": "gm.memory_usage()"
+        if hasattr(gm, "memory_usage")
+        else "n/a (no gm.memory_usage)",
         "alone": {str(k): v for k, v in alones.items()},
         # The closer is also in "learners" (at "closer_index").
         "configs": [{k: v for k, v in r.items() if k != "closer"} for r in rows],
     }
     return report
-
-
-def _has_ledger() -> bool:
-    import gradientmail as gm
-
-    return getattr(gm, "memory_usage", None) is not None
 
 
 if __name__ == "__main__":

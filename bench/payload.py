@@ -1,29 +1,18 @@
 """Benchmark 1 — the payload pipeline: tensors -> bytes -> sha256 -> store, and back into the
 model's existing memory, on the filesystem mailbox.
 
-Measured, for a model of ``--params`` float32 parameters (default 100M = 400 MB; ``--quick``
-25M), median and min–max over repetitions, as GB/s of payload bytes:
+For a model of ``--params`` float32 parameters (100M; ``--quick`` 25M), median and min–max
+over repetitions, as GB/s of payload bytes: the library as a Session uses it
+(``payload.put_tensors`` in parts, ``payload.get_tensors(into=)``; end to end, fsync on and
+off); the same library with the payload as one blob, stage by stage (``payload.encode``,
+``FileMailbox.put_if_absent``, ``FileMailbox.get``, ``payload.decode``,
+``ModelLayout.load``); references on the same bytes (memcpy into existing memory, the ratio
+column's denominator; a copy into fresh memory; sha256 on one thread and split over two; a
+raw file write + fsync; reads into fresh and reused memory; ``safetensors``); and a
+prototype (bench code, not the library) that reuses its buffers and hashes while it does
+the I/O.
 
-- the library as a Session uses it: ``payload.put_tensors`` (a payload above ``PART_BYTES``
-  goes in parts, joined and hashed on worker threads, stored 4 at a time), then
-  ``payload.get_tensors`` (parts fetched 4 at a time, verified on worker threads, zero-copy
-  views) and the copy into the receiving model's parameters (``ModelLayout.load``); end to
-  end = send + receive, timed as one sequence; with fsync on (the default) and off;
-- the same library with the payload as one blob (what every payload up to ``PART_BYTES``
-  takes), stage by stage: ``payload.encode`` (one copy, sha256 overlapped on a helper
-  thread), ``FileMailbox.put_if_absent`` (staging file, fsync, hard link),
-  ``FileMailbox.get``, ``payload.decode`` (sha256 verification, views), the copy into the
-  model;
-- references measured in the same run on the same bytes: memcpy into existing memory
-  (``Tensor.copy_``, the ratio column's denominator), a copy into fresh memory
-  (``clone``), sha256 on one thread and split over two, a raw file write + fsync, a read
-  into fresh memory and into a reused buffer, and ``safetensors.torch.save``/``load``;
-- a prototype (bench code, not the library): one blob encoded into a reused buffer and
-  written while a helper thread hashes; read into a reused buffer while a helper hashes,
-  then copied into the model: what reusing buffers would add.
-
-Target: >= 1 GB/s end to end on the filesystem mailbox, with receive buffers reused and
-hashing parallelised.
+Target: >= 1 GB/s end to end on the filesystem mailbox.
 """
 
 from __future__ import annotations
@@ -198,42 +187,30 @@ def run(ctx: h.Context) -> h.Report:
         rows.append((group, name, stats))
         return stats
 
-    # References.
     def memcpy() -> None:
         for name, t in tensors.items():
             into[name].copy_(t)
 
     with torch.no_grad():
         ref = add("reference", "memcpy into existing memory (copy_)", h.measure(memcpy, reps))
-        add(
-            "reference",
-            "copy into fresh memory (clone)",
-            h.measure(lambda: [t.clone() for t in tensors.values()], reps),
-        )
+        clone = h.measure(lambda: [t.clone() for t in tensors.values()], reps)
+        add("reference", "copy into fresh memory (clone)", clone)
     flat = [_as_bytes(t) for t in tensors.values()]
-
-    def sha1() -> None:
-        d = hashlib.sha256()
-        for v in flat:
-            d.update(v)
-
-    add("reference", "sha256, one thread", h.measure(sha1, reps))
     pool = ThreadPoolExecutor(max_workers=2)
+
+    def sha(part: list[memoryview]) -> bytes:
+        d = hashlib.sha256()
+        for v in part:
+            d.update(v)
+        return d.digest()
 
     def sha2() -> None:  # two halves of the stream on two threads (not one digest)
         joined = [v[i : i + CHUNK] for v in flat for i in range(0, len(v), CHUNK)]
         half = len(joined) // 2
+        for future in [pool.submit(sha, joined[:half]), pool.submit(sha, joined[half:])]:
+            future.result()
 
-        def run_part(part: list[memoryview]) -> bytes:
-            d = hashlib.sha256()
-            for v in part:
-                d.update(v)
-            return d.digest()
-
-        a = pool.submit(run_part, joined[:half])
-        b = pool.submit(run_part, joined[half:])
-        a.result(), b.result()
-
+    add("reference", "sha256, one thread", h.measure(lambda: sha(flat), reps))
     add("reference", "sha256, split over two threads", h.measure(sha2, reps))
     raw_dir = ctx.workdir / "payload-raw"
     raw_dir.mkdir(parents=True, exist_ok=True)
@@ -250,11 +227,8 @@ def run(ctx: h.Context) -> h.Report:
         finally:
             os.close(fd)
 
-    add(
-        "reference",
-        "file write + fsync (a new file)",
-        h.measure(raw_write, reps, setup=lambda: raw_path.unlink(missing_ok=True)),
-    )
+    fresh_file = h.measure(raw_write, reps, setup=lambda: raw_path.unlink(missing_ok=True))
+    add("reference", "file write + fsync (a new file)", fresh_file)
     add("reference", "file read into fresh memory", h.measure(raw_path.read_bytes, reps))
     reused = bytearray(len(blob))
 
@@ -268,11 +242,8 @@ def run(ctx: h.Context) -> h.Report:
         import safetensors.torch as st
 
         st_data = st.save(tensors)
-        add(
-            "reference",
-            "safetensors.torch.save (to bytes)",
-            h.measure(lambda: st.save(tensors), reps),
-        )
+        saved = h.measure(lambda: st.save(tensors), reps)
+        add("reference", "safetensors.torch.save (to bytes)", saved)
         add(
             "reference",
             "safetensors.torch.load (from bytes)",
@@ -284,83 +255,57 @@ def run(ctx: h.Context) -> h.Report:
     # The library: as a Session sends and receives (put_tensors / get_tensors + load), with
     # payloads in parts (the default), then with the whole payload as one blob, stage by stage.
     loop = asyncio.new_event_loop()
+    run = loop.run_until_complete
     stage_times: dict[str, dict[str, list[float]]] = {}
     parts = -(-nbytes // payload.PART_BYTES)
+    mib = payload.PART_BYTES // h.MIB
     try:
         for fsync in (True, False):
             label = "fsync on (default)" if fsync else "fsync=0"
             box = gm.FileMailbox(ctx.workdir / f"payload-parts-{int(fsync)}", fsync=fsync)
-            times: dict[str, list[float]] = {k: [] for k in ("send", "receive", "e2e")}
             h.progress(f"payload: library, {parts} parts, {label}")
-            for i in range(reps + 1):
-                t0 = _now()
-                key, _ = loop.run_until_complete(payload.put_tensors(box, tensors))
-                t1 = _now()
-                loop.run_until_complete(payload.get_tensors(box, key, specs, into=into))
-                t2 = _now()
-                loop.run_until_complete(box.delete(sorted(_all_keys(loop, box))))
-                if i == 0:
-                    continue  # warm-up
-                for name, took in (("send", t1 - t0), ("receive", t2 - t1), ("e2e", t2 - t0)):
-                    times[name].append(took)
+
+            def parted(box: gm.Mailbox = box) -> list[float]:
+                t = [_now()]
+                key, _ = run(payload.put_tensors(box, tensors))
+                t.append(_now())
+                run(payload.get_tensors(box, key, specs, into=into))
+                t.append(_now())
+                run(box.delete(sorted(run(box.list("")))))
+                return t
+
+            times = _spans([parted() for _ in range(reps + 1)][1:], PART_SPANS)  # 1: warm-up
             assert all(torch.equal(into[n], t) for n, t in tensors.items()), "wrong bytes"
             stage_times[f"parts, {label}"] = times
-            group = f"library, {parts} parts of {payload.PART_BYTES // h.MIB} MiB, {label}"
-            if fsync:
-                add(
-                    group,
-                    "send = put_tensors (parts encoded on workers)",
-                    h.Stats.of(times["send"]),
-                )
-                add(
-                    group,
-                    "receive = get_tensors(into=the model's tensors)",
-                    h.Stats.of(times["receive"]),
-                )
-            add(group, "END TO END (send + receive)", h.Stats.of(times["e2e"]))
+            group = f"library, {parts} parts of {mib} MiB, {label}"
+            for name, text in PART_ROWS if fsync else PART_ROWS[2:]:
+                add(group, text, h.Stats.of(times[name]))
 
         box = gm.FileMailbox(ctx.workdir / "payload-blob")
-        times = {
-            k: [] for k in ("encode", "put", "get", "decode", "load", "send", "receive", "e2e")
-        }
         h.progress("payload: library, one blob, fsync on")
-        for i in range(reps + 1):
-            t0 = _now()
+
+        def whole() -> list[float]:
+            t = [_now()]
             key, data = payload.encode(tensors)
-            t1 = _now()
-            loop.run_until_complete(box.put_if_absent(key, data))
-            t2 = _now()
+            t.append(_now())
+            run(box.put_if_absent(key, data))
+            t.append(_now())
             del data
-            got = loop.run_until_complete(box.get(key))
-            t3 = _now()
+            got = run(box.get(key))
+            t.append(_now())
             assert got is not None
             decoded = payload.decode(key, got, specs)
-            t4 = _now()
+            t.append(_now())
             layout.load(0, decoded)
-            t5 = _now()
+            t.append(_now())
             del decoded, got
-            loop.run_until_complete(box.delete([key]))
-            if i == 0:
-                continue  # warm-up
-            for name, took in (
-                ("encode", t1 - t0),
-                ("put", t2 - t1),
-                ("get", t3 - t2),
-                ("decode", t4 - t3),
-                ("load", t5 - t4),
-                ("send", t2 - t0),
-                ("receive", t5 - t2),
-                ("e2e", t5 - t0),
-            ):
-                times[name].append(took)
+            run(box.delete([key]))
+            return t
+
+        times = _spans([whole() for _ in range(reps + 1)][1:], BLOB_SPANS)  # 1: warm-up
         stage_times["one blob"] = times
-        group = f"library, one blob (as up to {payload.PART_BYTES // h.MIB} MiB), fsync on"
-        add(group, "payload.encode (copy + overlapped sha256)", h.Stats.of(times["encode"]))
-        add(group, "FileMailbox.put_if_absent", h.Stats.of(times["put"]))
-        add(group, "FileMailbox.get", h.Stats.of(times["get"]))
-        add(group, "payload.decode (sha256 verify, views)", h.Stats.of(times["decode"]))
-        add(group, "copy into the model (ModelLayout.load)", h.Stats.of(times["load"]))
-        add(group, "END TO END (send + receive)", h.Stats.of(times["e2e"]))
+        for name, text in BLOB_ROWS:
+            add(f"library, one blob (as up to {mib} MiB), fsync on", text, h.Stats.of(times[name]))
     finally:
         loop.close()
 
@@ -369,26 +314,24 @@ def run(ctx: h.Context) -> h.Report:
     proto = Prototype(tensors, ctx.workdir / "payload-proto")
     label = "prototype: one blob, reused buffers"
     h.progress(f"payload: {label}")
-    send_t: list[float] = []
-    recv_t: list[float] = []
-    e2e_t: list[float] = []
+    keys: list[str] = []
+
+    def proto_round() -> list[float]:
+        t = [_now()]
+        keys.append(proto.send(tensors))
+        t.append(_now())
+        proto.receive(keys[-1], into)
+        t.append(_now())
+        return t
+
     try:
-        for i in range(reps + 1):
-            t0 = _now()
-            key = proto.send(tensors)
-            t1 = _now()
-            proto.receive(key, into)
-            t2 = _now()
-            if i:
-                send_t.append(t1 - t0)
-                recv_t.append(t2 - t1)
-                e2e_t.append(t2 - t0)
-        assert key == payload.encode(tensors)[0], "the prototype must write the same blob"
+        times = _spans([proto_round() for _ in range(reps + 1)][1:], PART_SPANS)
+        assert keys[-1] == payload.encode(tensors)[0], "the prototype must write the same blob"
     finally:
         proto.close()
-    add(label, "send: reused buffer, write while hashing", h.Stats.of(send_t))
-    add(label, "receive: read into reused buffer while hashing, copy", h.Stats.of(recv_t))
-    proto_e2e = add(label, "END TO END (send + receive)", h.Stats.of(e2e_t))
+    add(label, "send: reused buffer, write while hashing", h.Stats.of(times["send"]))
+    add(label, "receive: read into reused buffer while hashing, copy", h.Stats.of(times["receive"]))
+    proto_e2e = add(label, "END TO END (send + receive)", h.Stats.of(times["e2e"]))
     pool.shutdown()
 
     table = report.table(
@@ -408,11 +351,11 @@ def run(ctx: h.Context) -> h.Report:
         ),
     )
     ref_rate = ref.rate(nbytes).median
-    for group, name, st in rows:
-        rate = st.rate(nbytes)
-        table.add(group, name, h.secs_range(st), h.gbps(rate), h.pct(rate.median, ref_rate))
+    for group, name, stats in rows:
+        rate = stats.rate(nbytes)
+        table.add(group, name, h.secs_range(stats), h.gbps(rate), h.pct(rate.median, ref_rate))
 
-    sha_rate = next(st for g, n, st in rows if n == "sha256, one thread").rate(nbytes).median
+    sha_rate = next(s for _, n, s in rows if n == "sha256, one thread").rate(nbytes).median
     e2e = h.Stats.of(stage_times["parts, fsync on (default)"]["e2e"]).rate(nbytes)
     e2e0 = h.Stats.of(stage_times["parts, fsync=0"]["e2e"]).rate(nbytes)
     blob_rate = h.Stats.of(stage_times["one blob"]["e2e"]).rate(nbytes)
@@ -453,12 +396,31 @@ def run(ctx: h.Context) -> h.Report:
     return report
 
 
-def _all_keys(loop: asyncio.AbstractEventLoop, box: gm.Mailbox) -> list[str]:
-    return list(loop.run_until_complete(box.list("")))
+_now = time.perf_counter
+# Which time marks of a repetition each measure spans.
+PART_SPANS = {"send": (0, 1), "receive": (1, 2), "e2e": (0, 2)}
+BLOB_SPANS = {
+    **{k: (i, i + 1) for i, k in enumerate(("encode", "put", "get", "decode", "load"))},
+    **{"send": (0, 2), "receive": (2, 5), "e2e": (0, 5)},
+}
+PART_ROWS = [
+    ("send", "send = put_tensors (parts encoded on workers)"),
+    ("receive", "receive = get_tensors(into=the model's tensors)"),
+    ("e2e", "END TO END (send + receive)"),
+]
+BLOB_ROWS = [
+    ("encode", "payload.encode (copy + overlapped sha256)"),
+    ("put", "FileMailbox.put_if_absent"),
+    ("get", "FileMailbox.get"),
+    ("decode", "payload.decode (sha256 verify, views)"),
+    ("load", "copy into the model (ModelLayout.load)"),
+    ("e2e", "END TO END (send + receive)"),
+]
 
 
-def _now() -> float:
-    return time.perf_counter()
+def _spans(marks: list[list[float]], spans: dict[str, tuple[int, int]]) -> dict[str, list[float]]:
+    """Per measure, its seconds in each repetition (from the repetitions' time marks)."""
+    return {name: [t[b] - t[a] for t in marks] for name, (a, b) in spans.items()}
 
 
 def main() -> int:

@@ -1,26 +1,14 @@
 """``python -m bench.profile NAME [--quick] [--rate 100] [--top 15] [-- EXTRA...]``: run one
 benchmark of the suite under py-spy and say where the time goes.
 
-Two py-spy samplers attach to the benchmark process and follow its subprocesses (the learner
-processes of ``step``/``sync``, the hivemind worker): one keeps only the samples of threads
-that were running (``CPU``: the hot spots), the other keeps waiting threads too (``wall``:
-for latency, time spent waiting on a lock, a sleep or the store is time too). py-spy's raw
-output does not mark idle samples, hence two samplers; as they sample the same run at the
-same rate, ``wall − CPU`` for a frame estimates the time threads waited there.
-
-Printed, and written to ``bench/results/<UTC time>-<NAME>-profile.md`` after the
-benchmark's own output:
-
-- by thread (grouped by process and thread-name prefix: ``gm-comm``, ``gm-sync``,
-  ``gm-hash``, ``train``, ``MainThread``...): thread-seconds sampled, CPU and wall shares;
-- hot spots: the innermost Python line of each sample (self samples), with its source;
-- waits: the innermost line among waiting samples (wall − CPU), with the innermost frame of
-  this repository above it (which of our calls waited);
-- our code: functions in ``gradientmail/`` by inclusive samples (which of our functions the
-  time is under).
-
-The collapsed stacks (``<stamp>-<NAME>.folded``: wall, ``<stamp>-<NAME>-cpu.folded``: CPU)
-load into https://www.speedscope.app or ``flamegraph.pl`` as they are.
+Two py-spy samplers follow the benchmark and its subprocesses: one keeps only running
+threads (CPU: hot spots), one waiting threads too (wall: a lock, a sleep or the store is time
+too); as they sample the same run at the same rate, ``wall − CPU`` for a line estimates the
+time threads waited there. Printed, and written to ``bench/results/<UTC time>-<NAME>-
+profile.md``: threads by process and name prefix (``gm-comm``, ``gm-sync``, ``train``...)
+with CPU and wall shares; hot lines by self samples; waits; functions in ``gradientmail/``
+by inclusive samples. The collapsed stacks (``<stamp>-<NAME>.folded``: wall,
+``<stamp>-<NAME>-cpu.folded``: CPU) load into speedscope.app or ``flamegraph.pl``.
 """
 
 from __future__ import annotations
@@ -37,10 +25,11 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -70,22 +59,19 @@ def find_pyspy() -> str | None:
 
 
 def _proc_stat(pid: int) -> tuple[int, int] | None:
-    """``(ppid, start time)`` of ``pid`` from /proc, or None when it is gone."""
+    """``(ppid, start time)`` of ``pid`` from /proc, or None when it is gone (or a zombie)."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = text[text.rfind(")") + 2 :].split()
-    # fields[0] is the state (field 3 of stat(5)): ppid is field 4, starttime field 22.
-    if fields[0] == "Z":
-        return None
-    return int(fields[1]), int(fields[19])
+    fields = text[text.rfind(")") + 2 :].split()  # state, ppid, ... (stat(5) from field 3)
+    return None if fields[0] == "Z" else (int(fields[1]), int(fields[19]))
 
 
 class Tree:
-    """Every process descended from ``root`` seen while the benchmark ran, remembered by pid
-    and start time, so that processes which left the tree (a new session, a dead parent)
-    are still found and ended, and a reused pid is never signalled."""
+    """Every process descended from ``root`` seen while the benchmark ran, by pid and start
+    time: processes that left the tree (a new session, a dead parent) are still ended, and
+    a reused pid is never signalled."""
 
     def __init__(self, root: int) -> None:
         self.root = root
@@ -96,16 +82,14 @@ class Tree:
         self._thread.start()
 
     def scan(self) -> None:
-        parents: dict[int, list[int]] = {}
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                stat = _proc_stat(int(entry))
-                if stat is not None:
-                    parents.setdefault(stat[0], []).append(int(entry))
+        children: dict[int, list[int]] = {}
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            stat = _proc_stat(int(entry))
+            if stat is not None:
+                children.setdefault(stat[0], []).append(int(entry))
         todo = [self.root]
         while todo:
-            pid = todo.pop()
-            for child in parents.get(pid, []):
+            for child in children.get(todo.pop(), []):
                 stat = _proc_stat(child)
                 if stat is not None:
                     if child not in self.seen:
@@ -121,12 +105,7 @@ class Tree:
                 self.scan()
 
     def alive(self) -> list[int]:
-        alive = []
-        for pid, start in self.seen.items():
-            stat = _proc_stat(pid)
-            if stat is not None and stat[1] == start:
-                alive.append(pid)
-        return alive
+        return [pid for pid, start in self.seen.items() if (_proc_stat(pid) or (0, -1))[1] == start]
 
     def end(self, grace: float = 5.0) -> list[tuple[int, str]]:
         """Stop watching; SIGTERM then SIGKILL whatever of the tree is still alive."""
@@ -148,7 +127,6 @@ class Tree:
 @dataclass
 class Run:
     command: list[str]
-    pid: int
     returncode: int | None  # None: stopped (timeout, Ctrl-C)
     stopped: str
     seconds: float
@@ -158,44 +136,31 @@ class Run:
     left_behind: list[tuple[int, str]]  # (pid, command line)
 
 
-def _pyspy_command(
-    pyspy: str, pid: int, out: Path, *, rate: int, idle: bool, native: bool
-) -> list[str]:
-    cmd = [pyspy, "record", "--format", "raw", "--subprocesses", "--threads"]
-    cmd += ["--full-filenames", "--rate", str(rate), "--pid", str(pid), "-o", str(out)]
-    if idle:
-        cmd.append("--idle")
-    if native:
-        cmd.append("--native")  # needs the process paused for each sample
-    else:
-        cmd.append("--nonblocking")  # the benchmark's timings barely move
-    return cmd
+def _stop(proc: subprocess.Popen[bytes] | subprocess.Popen[str], first: int, wait: float) -> None:
+    """Signal ``first``, wait ``wait`` s, then kill."""
+    if proc.poll() is None:
+        with contextlib.suppress(OSError):
+            proc.send_signal(first)
+        try:
+            proc.wait(wait)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def run_profiled(
-    bench_cmd: list[str],
-    outputs: dict[str, Path],
-    *,
-    pyspy: str,
-    rate: int,
-    native: bool,
+    bench_cmd: list[str], outputs: dict[str, Path], *, pyspy: str, rate: int, native: bool,
     timeout: float,
-) -> Run:
+) -> Run:  # fmt: skip
     """Start ``bench_cmd``, attach one py-spy per output (``cpu``; ``wall`` with --idle),
     echo the benchmark's stdout, stop everything at ``timeout`` or Ctrl-C, and end every
     process the benchmark left behind."""
     started = time.monotonic()
     # New sessions: Ctrl-C reaches only this script, which then stops the benchmark so that
     # the samplers see it exit and write what they have.
-    bench = subprocess.Popen(
-        bench_cmd,
-        cwd=h.ROOT,
-        stdout=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-        text=True,
-        bufsize=1,
-        start_new_session=True,
-    )
+    bench = subprocess.Popen(bench_cmd, cwd=h.ROOT, stdout=subprocess.PIPE,
+                             stdin=subprocess.DEVNULL, text=True, bufsize=1,
+                             start_new_session=True)  # fmt: skip
     tree = Tree(bench.pid)
     spies: dict[str, subprocess.Popen[bytes]] = {}
     logs: dict[str, Path] = {}
@@ -213,17 +178,17 @@ def run_profiled(
     stopped = ""
     try:
         for kind, out in outputs.items():
+            cmd = [pyspy, "record", "--format", "raw", "--subprocesses", "--threads",
+                   "--full-filenames", "--rate", str(rate), "--pid", str(bench.pid), "-o", str(out),
+                   *(["--idle"] if kind == "wall" else []),
+                   # --native pauses the process for each sample; else the timings barely move
+                   "--native" if native else "--nonblocking"]  # fmt: skip
             logs[kind] = out.with_suffix(".pyspy.log")
             with logs[kind].open("wb") as log:
                 spies[kind] = subprocess.Popen(
-                    _pyspy_command(
-                        pyspy, bench.pid, out, rate=rate, idle=kind == "wall", native=native
-                    ),
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
+                    cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                     start_new_session=True,
-                )
+                )  # fmt: skip
         deadline = started + timeout
         while bench.poll() is None:
             failed = [k for k, s in spies.items() if s.poll() not in (None, 0)]
@@ -237,44 +202,23 @@ def run_profiled(
     except KeyboardInterrupt:
         stopped = "interrupted"
     finally:
-        if bench.poll() is None:
-            with contextlib.suppress(OSError):
-                os.kill(bench.pid, signal.SIGTERM)
-            try:
-                bench.wait(5)
-            except subprocess.TimeoutExpired:
-                bench.kill()
-                bench.wait()
+        _stop(bench, signal.SIGTERM, 5)
         left = tree.end()
         reader.join(10)
         for spy in spies.values():
             # py-spy stops on its own when the process it follows exits; SIGINT makes it
             # write what it has, should it not.
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 spy.wait(30)
-            except subprocess.TimeoutExpired:
-                spy.send_signal(signal.SIGINT)
-                try:
-                    spy.wait(10)
-                except subprocess.TimeoutExpired:
-                    spy.kill()
-                    spy.wait()
+            _stop(spy, signal.SIGINT, 10)
     spy_logs = {}
     for kind, path in logs.items():
         with contextlib.suppress(OSError):
             spy_logs[kind] = path.read_text(errors="replace")
             path.unlink()
-    return Run(
-        command=bench_cmd,
-        pid=bench.pid,
-        returncode=None if stopped else bench.returncode,
-        stopped=stopped,
-        seconds=time.monotonic() - started,
-        output="".join(lines),
-        spy_logs=spy_logs,
-        spy_codes={kind: spy.returncode for kind, spy in spies.items()},
-        left_behind=left,
-    )
+    return Run(bench_cmd, None if stopped else bench.returncode, stopped,
+               time.monotonic() - started, "".join(lines), spy_logs,
+               {kind: spy.returncode for kind, spy in spies.items()}, left)  # fmt: skip
 
 
 # -- reading the collapsed stacks ------------------------------------------------------------
@@ -303,7 +247,7 @@ class Stack:
 def parse(path: Path) -> list[Stack]:
     """py-spy's raw output (``--threads --subprocesses``): one stack per line,
     ``process PID:"CMD";thread (TID): NAME;frame;frame COUNT``."""
-    stacks = []
+    stacks: list[Stack] = []
     if not path.exists():
         return stacks
     for raw in path.read_text(errors="replace").splitlines():
@@ -331,9 +275,7 @@ def thread_group(name: str) -> str:
     if name.startswith("(unnamed"):
         return "(unnamed)"
     match = re.match(r"^(gm-[a-z]+)", name)
-    if match:
-        return match[1]
-    return re.sub(r"[-_]\d+\b", "", name)
+    return match[1] if match else re.sub(r"[-_]\d+\b", "", name)
 
 
 def process_role(chain: Sequence[tuple[int, str]]) -> str:
@@ -356,30 +298,23 @@ def process_role(chain: Sequence[tuple[int, str]]) -> str:
     if "-m" in words[:-1]:
         return words[words.index("-m") + 1]
     scripts = [w for w in words[1:] if w.endswith(".py")]
-    if scripts:
-        return Path(scripts[0]).name
-    return Path(words[0]).name if words else "?"
+    return Path(scripts[0] if scripts else words[0] if words else "?").name
 
 
 def short_path(path: str) -> str:
     """Relative to the repository, to site-packages, or to the standard library."""
     if not path:
         return ""
-    p = Path(path)
-    parts = p.parts
+    parts = Path(path).parts
     for marker in ("site-packages", "dist-packages"):
         if marker in parts:
             return "/".join(parts[parts.index(marker) + 1 :])
     with contextlib.suppress(ValueError):
-        return str(p.relative_to(h.ROOT))
+        return str(Path(path).relative_to(h.ROOT))
     for i, part in enumerate(parts):
         if re.fullmatch(r"python3\.\d+", part) and i + 1 < len(parts):
             return "/".join(parts[i + 1 :])
-    return p.name
-
-
-def is_ours(frame: Frame, code: Path = OURS) -> bool:
-    return frame.file.startswith(str(code) + os.sep)
+    return Path(path).name
 
 
 def is_repo(frame: Frame) -> bool:
@@ -399,8 +334,8 @@ def snapshot_sources() -> None:
 
 
 def source(frame: Frame, width: int = 48) -> str:
-    if frame.file in SOURCES:
-        lines = SOURCES[frame.file]
+    lines = SOURCES.get(frame.file)
+    if lines is not None:
         text = lines[frame.line - 1].strip() if 0 < frame.line <= len(lines) else ""
     else:
         text = linecache.getline(frame.file, frame.line).strip() if frame.file else ""
@@ -422,8 +357,6 @@ class Profile:
     cpu: list[Stack]
     wall: list[Stack]
     rate: int
-    cpu_total: int = 0
-    wall_total: int = 0
     roles: dict[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -435,24 +368,21 @@ class Profile:
     def group(self, s: Stack) -> tuple[str, str]:
         return self.roles[s.chain[-1][0]], thread_group(s.thread)
 
-
-def _count(stacks: Iterable[Stack], key) -> Counter:  # type: ignore[no-untyped-def]
-    counter: Counter = Counter()
-    for s in stacks:
-        for k in key(s):
-            counter[k] += s.count
-    return counter
+    def count(self, key: Callable[[Stack], Iterable[Any]]) -> tuple[Counter[Any], Counter[Any]]:
+        """Samples per key (each stack counts once per key it yields): CPU, wall."""
+        out: tuple[Counter[Any], Counter[Any]] = (Counter(), Counter())
+        for counter, stacks in zip(out, (self.cpu, self.wall), strict=True):
+            for s in stacks:
+                for k in key(s):
+                    counter[k] += s.count
+        return out
 
 
 def thread_table(p: Profile) -> h.Table:
-    cpu = _count(p.cpu, lambda s: [p.group(s)])
-    wall = _count(p.wall, lambda s: [p.group(s)])
+    cpu, wall = p.count(lambda s: [p.group(s)])
     threads: dict[tuple[str, str], set[tuple[int, str]]] = {}
-    pids: dict[tuple[str, str], set[int]] = {}
     for s in p.cpu + p.wall:
-        pid = s.chain[-1][0]
-        threads.setdefault(p.group(s), set()).add((pid, s.thread))
-        pids.setdefault(p.group(s), set()).add(pid)
+        threads.setdefault(p.group(s), set()).add((s.chain[-1][0], s.thread))
     t = h.Table(
         "Threads: where the samples fall",
         ["process", "thread", "threads", "wall s", "wall %", "CPU s", "CPU %", "busy"],
@@ -461,44 +391,33 @@ def thread_table(p: Profile) -> h.Table:
         "prefix. `wall s`/`CPU s`: thread-seconds sampled "
         f"(samples / {p.rate} Hz), waiting included / running only; `busy`: CPU / wall.",
     )
-    keys = sorted(set(cpu) | set(wall), key=lambda k: (-cpu[k], -wall[k]))
-    for key in keys:
-        role, name = key
-        n_proc = len(pids[key])
-        role_text = f"{role} ×{n_proc}" if n_proc > 1 else role
-        t.add(
-            role_text,
-            name,
-            len(threads[key]),
-            f"{wall[key] / p.rate:.1f}",
-            h.pct(wall[key], p.wall_total),
-            f"{cpu[key] / p.rate:.1f}",
-            h.pct(cpu[key], p.cpu_total),
-            # Two samplers, sampled independently: a busy thread can read a little over 100%.
-            f"{min(100.0, 100 * cpu[key] / wall[key]):.0f}%" if wall[key] else "-",
-        )
+    for key in sorted(set(cpu) | set(wall), key=lambda k: (-cpu[k], -wall[k])):
+        n_proc = len({pid for pid, _ in threads[key]})
+        # Two samplers, sampled independently: a busy thread can read a little over 100%.
+        busy = f"{min(100.0, 100 * cpu[key] / wall[key]):.0f}%" if wall[key] else "-"
+        t.add(f"{key[0]} ×{n_proc}" if n_proc > 1 else key[0], key[1], len(threads[key]),
+              f"{wall[key] / p.rate:.1f}", h.pct(wall[key], p.wall_total),
+              f"{cpu[key] / p.rate:.1f}", h.pct(cpu[key], p.cpu_total), busy)  # fmt: skip
     return t
 
 
-def _leaf(s: Stack) -> Frame:
-    return s.frames[-1] if s.frames else NO_PYTHON
-
-
-def _caller(s: Stack) -> Frame | None:
-    """The innermost frame of this repository in ``s`` (below the leaf), if any."""
-    for frame in reversed(s.frames[:-1]):
-        if is_repo(frame):
-            return frame
-    return None
+def _leaf(s: Stack) -> list[tuple[Frame, Frame | None]]:
+    """The innermost frame, and the innermost frame of this repository below it."""
+    leaf = s.frames[-1] if s.frames else NO_PYTHON
+    return [(leaf, next((f for f in reversed(s.frames[:-1]) if is_repo(f)), None))]
 
 
 def _under(caller: Frame | None) -> str:
     return f"{caller.function} ({where(caller)})" if caller else "-"
 
 
+def _pool_idle(frame: Frame) -> bool:
+    """A thread pool's worker waiting for work (not time anything waited for)."""
+    return frame.function == "_worker" and frame.file.endswith("concurrent/futures/thread.py")
+
+
 def hot_table(p: Profile, top: int) -> h.Table:
-    cpu = _count(p.cpu, lambda s: [(_leaf(s), _caller(s))])
-    wall = _count(p.wall, lambda s: [(_leaf(s), _caller(s))])
+    cpu, wall = p.count(_leaf)
     t = h.Table(
         f"Hot spots: top {top} lines by self samples (running threads)",
         ["CPU %", "wall %", "function", "where", "source", "under (innermost of ours)"],
@@ -512,17 +431,12 @@ def hot_table(p: Profile, top: int) -> h.Table:
     return t
 
 
-def _idle_worker(s: Stack) -> bool:
-    """A thread pool's worker waiting for work (not time anything waited for)."""
-    leaf = _leaf(s)
-    return leaf.function == "_worker" and leaf.file.endswith("concurrent/futures/thread.py")
-
-
 def wait_table(p: Profile, top: int) -> h.Table:
-    cpu = _count(p.cpu, lambda s: [(_leaf(s), _caller(s))])
-    wall = _count(p.wall, lambda s: [(_leaf(s), _caller(s))])
-    waited = Counter({k: wall[k] - cpu[k] for k in wall if wall[k] > cpu[k]})
-    pool_idle = sum(s.count for s in p.wall if _idle_worker(s))
+    cpu, wall = p.count(_leaf)
+    waited = Counter(
+        {k: wall[k] - cpu[k] for k in wall if wall[k] > cpu[k] and not _pool_idle(k[0])}
+    )
+    pool_idle = sum(n for k, n in wall.items() if _pool_idle(k[0]))
     t = h.Table(
         f"Waits: top {top} lines by wall − CPU self samples",
         ["wait s", "wall %", "function", "where", "under (innermost of ours)"],
@@ -532,42 +446,41 @@ def wait_table(p: Profile, top: int) -> h.Table:
         "with the threads table. Left out: thread-pool workers waiting for a task "
         f"({pool_idle / p.rate:.1f} thread-s).",
     )
-    for (frame, caller), n in waited.most_common():
-        if len(t.rows) == top:
-            break
-        if frame.function == "_worker" and frame.file.endswith("concurrent/futures/thread.py"):
-            continue
+    for (frame, caller), n in waited.most_common(top):
         t.add(f"{n / p.rate:.1f}", h.pct(wall[(frame, caller)], p.wall_total), frame.function,
               where(frame), _under(caller))  # fmt: skip
     return t
 
 
-def ours_table(p: Profile, top: int, sort: str) -> h.Table:
+def ours_table(p: Profile, top: int) -> h.Table:
     def ours(s: Stack) -> set[tuple[str, str]]:
-        return {(f.function, short_path(f.file)) for f in s.frames if is_ours(f)}
+        mine = str(OURS) + os.sep
+        return {(f.function, short_path(f.file)) for f in s.frames if f.file.startswith(mine)}
 
-    cpu = _count(p.cpu, ours)
-    wall = _count(p.wall, ours)
-    first = cpu if sort == "cpu" else wall
+    cpu, wall = p.count(ours)
     t = h.Table(
-        f"Our code: top {top} functions in gradientmail/ by inclusive samples ({sort})",
+        f"Our code: top {top} functions in gradientmail/ by inclusive samples (cpu)",
         ["CPU %", "wall %", "function", "file"],
         note="A function counts a sample when it is anywhere on the stack (once per "
         "sample); wall % includes time its threads spent waiting below it.",
     )
-    for key, _ in sorted(first.items(), key=lambda kv: (-kv[1], kv[0]))[:top]:
+    for key, _ in sorted(cpu.items(), key=lambda kv: (-kv[1], kv[0]))[:top]:
         t.add(h.pct(cpu[key], p.cpu_total), h.pct(wall[key], p.wall_total), key[0], key[1])
     return t
 
 
-def summary(p: Profile) -> str:
+def render(p: Profile, top: int) -> str:
     procs = Counter(p.roles.values())
     listing = ", ".join(f"{role} ×{n}" if n > 1 else role for role, n in procs.items())
-    return (
+    summary = (
         f"{p.cpu_total} CPU samples ({p.cpu_total / p.rate:.1f} thread-s running), "
         f"{p.wall_total} wall samples ({p.wall_total / p.rate:.1f} thread-s) at {p.rate} Hz; "
         f"processes: {listing or '-'}"
     )
+    tables = [thread_table(p), hot_table(p, top)]
+    tables += [wait_table(p, top)] if p.wall else []
+    tables.append(ours_table(p, top))
+    return "\n\n".join(["## Where the time goes", summary, *(t.render() for t in tables)])
 
 
 # -- the command -----------------------------------------------------------------------------
@@ -577,65 +490,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
     if "--" in argv:
-        at = argv.index("--")
-        argv, extra = argv[:at], argv[at + 1 :]
+        argv, extra = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
     parser = argparse.ArgumentParser(
         prog="python -m bench.profile",
         description="Run a benchmark under py-spy and print where the time goes: by thread, "
         "hot lines, waits, and our functions. Arguments after -- go to python -m bench "
         "(e.g. -- --no-hivemind).",
     )
-    parser.add_argument("name", choices=list(BENCHMARKS), help="the benchmark to profile")
+    add = parser.add_argument
+    add("name", choices=list(BENCHMARKS), help="the benchmark to profile")
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="the benchmark's small sizes")
     size.add_argument("--large", action="store_true", help="the benchmark's full ranges")
-    parser.add_argument("--rate", type=int, default=100, help="samples per second (100)")
-    parser.add_argument("--top", type=int, default=15, help="rows per table (15)")
-    parser.add_argument(
-        "--sort", choices=["cpu", "wall"], default="cpu", help="order of the our-code table"
-    )
-    parser.add_argument(
-        "--timeout", type=float, default=1200, help="stop the benchmark after this (s, 1200)"
-    )
-    parser.add_argument(
-        "--cpu-only", action="store_true", help="one sampler: running threads only, no waits"
-    )
-    parser.add_argument(
-        "--native",
-        action="store_true",
-        help="py-spy --native: C/C++ frames too (pauses the process for each sample)",
-    )
-    parser.add_argument(
-        "--parse",
-        type=Path,
-        default=None,
-        metavar="FOLDED",
-        help="only print the tables of an earlier run's <stamp>-<name>.folded (same --rate)",
-    )
+    add("--rate", type=int, default=100, help="samples per second (100)")
+    add("--top", type=int, default=15, help="rows per table (15)")
+    add("--timeout", type=float, default=1200, help="stop the benchmark after this (s, 1200)")
+    add("--native", action="store_true", help="py-spy --native: C/C++ frames too (pauses it)")
+    add("--parse", type=Path, metavar="FOLDED", help="only print the tables of an earlier "
+        "run's <stamp>-<name>.folded (same --rate)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.rate < 1 or args.top < 1:
         parser.error("--rate and --top must be >= 1")
 
     if args.parse is not None:
-        wall_path = args.parse
-        cpu_path = wall_path.with_name(wall_path.stem + "-cpu.folded")
-        print(render(Profile(parse(cpu_path), parse(wall_path), args.rate), args))
+        cpu_path = args.parse.with_name(args.parse.stem + "-cpu.folded")
+        print(render(Profile(parse(cpu_path), parse(args.parse), args.rate), args.top))
         return 0
 
     pyspy = find_pyspy()
     if pyspy is None:
-        print(
-            "py-spy not found (beside this Python or on PATH); install it with\n"
-            f"  {sys.executable} -m pip install py-spy",
-            file=sys.stderr,
-        )
+        print(f"py-spy not found (beside this Python or on PATH); install it with\n"
+              f"  {sys.executable} -m pip install py-spy", file=sys.stderr)  # fmt: skip
         return 2
     RESULTS.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    base = RESULTS / f"{stamp}-{args.name}"
-    outputs = {"cpu": base.with_name(base.name + "-cpu.folded")}
-    if not args.cpu_only:
-        outputs["wall"] = base.with_name(base.name + ".folded")
+    base = RESULTS / f"{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}-{args.name}"
+    outputs = {"cpu": Path(f"{base}-cpu.folded"), "wall": Path(f"{base}.folded")}
     preset = ["--quick"] if args.quick else ["--large"] if args.large else []
     bench_cmd = [sys.executable, "-m", "bench", args.name, *preset, "--no-json", *extra]
     h.progress(f"profiling: {' '.join(bench_cmd)} (py-spy at {args.rate} Hz)")
@@ -649,12 +538,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for kind, path in outputs.items()
         if run.spy_codes.get(kind) != 0 or not path.exists()
     }
-    if spy_failed:
-        for kind, log in spy_failed.items():
-            print(f"\npy-spy ({kind}) said:\n{log.strip()}", file=sys.stderr)
-        text = " ".join(spy_failed.values()).lower()
-        if "permission" in text or "ptrace" in text or "operation not permitted" in text:
-            print(PTRACE_HELP.format(python=sys.executable), file=sys.stderr)
+    for kind, log in spy_failed.items():
+        print(f"\npy-spy ({kind}) said:\n{log.strip()}", file=sys.stderr)
+    said = " ".join(spy_failed.values()).lower()
+    if any(word in said for word in ("permission", "ptrace", "operation not permitted")):
+        print(PTRACE_HELP.format(python=sys.executable), file=sys.stderr)
     if run.left_behind:
         print(f"\nended {len(run.left_behind)} processes the benchmark left behind:",
               file=sys.stderr)  # fmt: skip
@@ -667,47 +555,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("no profile was written", file=sys.stderr)
         return 2
 
-    profile = Profile(
-        parse(outputs["cpu"]), parse(outputs["wall"]) if "wall" in outputs else [], args.rate
-    )  # fmt: skip
-    tables = render(profile, args)
-    print()
-    print(tables)
+    tables = render(Profile(parse(outputs["cpu"]), parse(outputs["wall"]), args.rate), args.top)
+    print(f"\n{tables}")
     status = run.stopped or f"exit status {run.returncode}"
     preset_name = "quick" if args.quick else "large" if args.large else "default"
+    stacks = ", ".join(f"`{p.relative_to(h.ROOT)}`" for p in outputs.values())
     md = [
         f"# Profile: {args.name} ({preset_name})",
-        "",
         f"Command: `{' '.join(run.command)}` under py-spy {'--native ' if args.native else ''}"
         f"at {args.rate} Hz; {run.seconds:.0f} s, {status}.",
-        "",
         f"Machine: {h.describe(h.machine())}",
-        "",
-        "Stacks: " + ", ".join(f"`{p.relative_to(h.ROOT)}`" for p in outputs.values()),
-        "",
+        f"Stacks: {stacks}",
         tables,
-        "",
         "## The benchmark's output",
-        "",
         run.output.rstrip(),
-        "",
     ]
-    md_path = base.with_name(base.name + "-profile.md")
-    md_path.write_text("\n".join(md))
-    print(f"\nProfile: {md_path.relative_to(h.ROOT)}; stacks: "
-          + ", ".join(str(p.relative_to(h.ROOT)) for p in outputs.values()))  # fmt: skip
-    if run.stopped or spy_failed:
-        return 1
-    return run.returncode or 0
-
-
-def render(p: Profile, args: argparse.Namespace) -> str:
-    parts = ["## Where the time goes", "", summary(p), "", thread_table(p).render()]
-    parts += ["", hot_table(p, args.top).render()]
-    if p.wall:
-        parts += ["", wait_table(p, args.top).render()]
-    parts += ["", ours_table(p, args.top, args.sort).render()]
-    return "\n".join(parts)
+    md_path = Path(f"{base}-profile.md")
+    md_path.write_text("\n\n".join(md) + "\n")
+    print(f"\nProfile: {md_path.relative_to(h.ROOT)}; stacks: {stacks.replace('`', '')}")
+    return 1 if run.stopped or spy_failed else run.returncode or 0
 
 
 if __name__ == "__main__":

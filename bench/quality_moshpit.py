@@ -1,46 +1,20 @@
-"""The quality benchmark's Moshpit arms: Moshpit SGD's small groups against DiLoCo at 8 learners.
+"""The quality benchmark's Moshpit arms: Moshpit SGD's small groups against DiLoCo at N = 8
+learner processes, each of the 4 shards cut in two contiguous halves (``--arms moshpit``; run
+by ``quality.run`` after the others, through its ``Bench``): ``diloco-N`` (the reference,
+same run), ``moshpit-M2`` (a full 2x2x2 grid), ``moshpit-M4`` (8 of 16 cells), ``ddp-N`` and
+``solo-average-N`` in one process. A generous ``round_timeout`` lets a group close because
+all its members came, not by the clock (short groups and ``missed_groups`` say whether one
+did). Evaluated after the learners finished: ``gm.align`` in another process (for Moshpit:
+the sample-weighted average of the newest group round's commits) and the learners' own
+models. Target: each Moshpit arm's loss within 3% of ``diloco-N``'s.
 
-``python -m bench quality`` with ``moshpit`` (or these arms' names) among its ``arms``; run by
-``quality.run`` after the others, through its ``Bench`` (learner processes, ``gm.align``).
-
-The quality benchmark's data, model and training (``quality.py``, ``_lm.py``), with N = 8
-learner processes instead of 4, each on its own non-IID shard: the corpus's 4 shards by
-top-level package, each cut in two contiguous halves (N / 4 parts each: learners 2j and
-2j + 1 share package group j, different files). Every arm sees the same samples, the same
-total T = N·B·steps:
-
-- ``diloco-N``: ``gm.DiLoCo(sync_every=H, fragments=1)``, N learner processes through
-  ``gm.Session`` on a ``gm.FileMailbox`` (a ``gm.Barrier`` until all joined,
-  ``quorum_size=N``): the reference of this comparison, in the same run;
-- ``moshpit-M2``: ``gm.Moshpit(sync_every=H, group_size=2, grid_dims=3)``, a full 2x2x2 grid
-  of 8 (three group rounds average everyone);
-- ``moshpit-M4``: ``gm.Moshpit(sync_every=H, group_size=4, grid_dims=2)``, 8 of the 16 cells
-  (a partial grid: groups of 4, then of 2, alternately);
-- ``ddp-N``, ``solo-average-N``: in one process, as in ``quality.py`` but over N shards
-  (one model with batch N·B; N copies never syncing, averaged once at the end).
-
-Learners run the ``diloco`` arm's way (``_quality_worker.py``: learner processes, file
-mailbox, ``overlap`` at its default, H the quick preset's), with a generous
-``round_timeout`` so that a group closes because all its members came, not by the clock
-(the short groups and ``missed_groups`` counted show whether one did). Every arm is
-evaluated as a user would, after its learners finished: ``gm.align`` in a separate process
-(for Moshpit: the sample-weighted average of the newest group round's group commits,
-which it logs), and the spread of the learners' own final models (Moshpit learners hold
-different ones). Target: each Moshpit arm's loss within 3% of ``diloco-N``'s.
-
-    .venv/bin/python -m bench.quality --quick --arms moshpit
-    .venv/bin/python -m bench.quality_moshpit --quick \\
-        --md bench/results/quality-moshpit.md --json bench/results/quality-moshpit.json
-    .venv/bin/python -m bench.quality_moshpit --tiny      # 4 learners, M=2, d=2: seconds
-
-(``python -m bench.quality_moshpit ...`` is ``python -m bench.quality --arms moshpit ...``:
-these arms' options, ``--tiny``, ``--learners``, ``--grids``, ``--steps``, are quality's.)
+    .venv/bin/python -m bench.quality_moshpit --quick   # = python -m bench.quality --arms moshpit
+    .venv/bin/python -m bench.quality_moshpit --tiny    # 4 learners, M=2, d=2: seconds
 """
 
 from __future__ import annotations
 
 import math
-import shutil
 import sys
 import time
 from collections import Counter
@@ -56,7 +30,9 @@ import torch
 
 from bench import _harness as h
 from bench import _lm
+from bench import _quality_report as qr
 from bench import quality as q
+from gradientmail.demo import lm
 
 NAME = "quality-moshpit"
 OPTIONS = "moshpit"  # their options: ctx.options["quality"]["moshpit"]
@@ -69,8 +45,8 @@ ROUND_TIMEOUT = 600.0  # generous: a group closes when all its members came
 LEASE_TIMEOUT = 60.0  # 8 processes on 2 cores: a starved heartbeat must not look gone
 
 TINY = _lm.Sizes(
-    model=_lm.ModelSize(d_model=16, layers=1, heads=2),
-    fast_model=_lm.ModelSize(d_model=16, layers=1, heads=2),
+    model=lm.ModelSize(d_model=16, layers=1, heads=2),
+    fast_model=lm.ModelSize(d_model=16, layers=1, heads=2),
     batch=2,
     steps=24,
     fast_steps=24,
@@ -190,22 +166,6 @@ def grid_of(arm: q.Arm) -> Grid | None:
     return Grid(int(settings["group_size"]), int(settings["grid_dims"])) if settings else None
 
 
-def arm_json(arm: q.Arm) -> dict[str, Any]:
-    grid = grid_of(arm)
-    return {
-        "key": arm.key,
-        "kind": arm.arm,
-        "setting": arm.setting,
-        "grid": None if grid is None else [grid.group_size, grid.grid_dims],
-        "final_loss": arm.final_loss,
-        "learner_losses": arm.learner_losses,
-        "curve": arm.curve,
-        "wall_s": arm.wall_s,
-        "error": arm.error,
-        "data": arm.data,
-    }
-
-
 def wanted(arms: set[str]) -> bool:
     """Whether the quality benchmark's ``arms`` ask for the Moshpit comparison."""
     return bool(arms & ARM_NAMES)
@@ -216,26 +176,22 @@ def _options(ctx: h.Context) -> dict[str, Any]:
 
 
 def run_learners(bench: q.Bench, arm: q.Arm, options: Mapping[str, Any]) -> None:
-    """``arm.learners`` learner processes on a new file mailbox (:meth:`quality.Bench.run_diloco`,
-    with this comparison's timeouts), then ``gm.align`` and the learners' own models
-    evaluated in another process."""
+    """``arm.learners`` learner processes on a new file mailbox (``Bench.run_diloco``, with
+    this comparison's timeouts), then ``gm.align`` and the learners' own models evaluated."""
     assert arm.learners is not None
     grid = grid_of(arm)
     params = [bench.dir / f"{arm.key}.learner-{i}.params.pt" for i in range(arm.learners)]
+    timeouts = {
+        "round_timeout": float(options.get("round_timeout", ROUND_TIMEOUT)),
+        "lease_timeout": float(options.get("lease_timeout", LEASE_TIMEOUT)),
+        "poll_interval": options.get("poll_interval"),
+    }
     done = bench.run_diloco(
         arm,
         bench.file_box,
-        lambda i: {
-            "round_timeout": float(options.get("round_timeout", ROUND_TIMEOUT)),
-            "lease_timeout": float(options.get("lease_timeout", LEASE_TIMEOUT)),
-            "poll_interval": options.get("poll_interval"),
-            "save_params": str(params[i]),
-        },
-        {
-            "sync_every": arm.sync_every,
-            "learner_params": [str(p) for p in params],
-            "groups": grid is not None,
-        },
+        lambda i: timeouts | {"save_params": str(params[i])},
+        {"sync_every": arm.sync_every, "learner_params": [str(p) for p in params]}
+        | {"groups": grid is not None},
     )
     if done is None:
         return
@@ -248,23 +204,18 @@ def run_learners(bench: q.Bench, arm: q.Arm, options: Mapping[str, Any]) -> None
 
 
 def traffic(
-    learners: Sequence[Mapping[str, Any]],
-    ev: Mapping[str, Any],
-    grid: Grid | None,
-    n: int,
+    learners: Sequence[Mapping[str, Any]], ev: Mapping[str, Any], grid: Grid | None, n: int
 ) -> dict[str, Any]:
     """Bytes per learner per round applied, missed groups, waits; for Moshpit the group
     rounds' shapes against the grid's (a group short of its expected members closed by
     ``round_timeout`` or without a member that came late)."""
 
     def total(name: str) -> Any:
-        values = [r["counters"].get(name) for r in learners]
-        numbers = [v for v in values if isinstance(v, int | float)]
+        numbers = [v for r in learners if isinstance(v := r["counters"].get(name), int | float)]
         return sum(numbers) if numbers else None
 
     group_rounds = ev.get("group_rounds") or []
-    rounds = len(group_rounds) if grid is not None else len(ev.get("rounds") or [])
-    per = q.per_round(learners, rounds)
+    per = qr.per_round(learners, len(group_rounds if grid else ev.get("rounds") or []))
     out: dict[str, Any] = {
         "bytes_per_round": per,
         "rounds_per_learner": per["applied"],
@@ -277,35 +228,29 @@ def traffic(
         return out
     sizes: Counter[int] = Counter()
     short: list[str] = []
-    excluded = 0
     for entry in group_rounds:
         t = int(entry["round"])
         expected = grid.expected(n, t)
         for g in entry["groups"]:
-            members = len(g["members"])
-            sizes[members] += 1
-            excluded += len(g["excluded"])
-            if members < expected.get(g["group"], 0):
-                short.append(f"{t}/{g['group']}: {members} of {expected[g['group']]}")
+            sizes[len(g["members"])] += 1
+            if len(g["members"]) < expected.get(g["group"], 0):
+                short.append(f"{t}/{g['group']}: {len(g['members'])} of {expected[g['group']]}")
         missing = set(expected) - {g["group"] for g in entry["groups"]}
         short += [f"{t}/{g}: no commit" for g in sorted(missing)]
-    out |= {
+    return out | {
         "group_rounds": len(group_rounds),
         "group_commits": sum(len(e["groups"]) for e in group_rounds),
         "group_sizes": {str(k): v for k, v in sorted(sizes.items())},
         "short_groups": short,
-        "excluded": excluded,
+        "excluded": sum(len(g["excluded"]) for e in group_rounds for g in e["groups"]),
         "align_log": list(ev.get("align_log") or []),
         "align_matches_groups": ev.get("align_matches_groups"),
     }
-    return out
 
 
 def _spread(row: q.Arm) -> str:
-    if not row.learner_losses:
-        return "-"
     values = row.learner_losses
-    return f"{sum(values) / len(values):.4f} / {max(values):.4f}"
+    return f"{sum(values) / len(values):.4f} / {max(values):.4f}" if values else "-"
 
 
 # -- the run ---------------------------------------------------------------------------------
@@ -315,8 +260,8 @@ def run_arms(ctx: h.Context, report: h.Report) -> None:
     """These arms, their tables and targets added to the quality benchmark's ``report``;
     ``ctx.options["quality"]["moshpit"]``: ``learners`` (8), ``grids`` (``[[M, d], ...]``),
     ``tiny``, ``sizes``, ``steps``, ``inprocess`` (ddp and solo-average: True),
-    ``round_timeout``, ``lease_timeout``, ``poll_interval``; ``keep_workdir`` and
-    ``timeout_scale`` are quality's. Named arms (``moshpit-M2``) run only their grid."""
+    ``round_timeout``, ``lease_timeout``, ``poll_interval``. Named arms (``moshpit-M2``) run
+    only their grid."""
     import gradientmail as gm
 
     options = _options(ctx)
@@ -334,21 +279,18 @@ def run_arms(ctx: h.Context, report: h.Report) -> None:
             "data, same run)"
         )
     started = time.monotonic()
-    bench = q.Bench(ctx, sizes)
-    try:
+    with q.Bench(ctx, sizes) as bench:
         h.progress("reading the standard library's sources")
-        corpus = _lm.build_corpus(sizes)
+        corpus = sizes.corpus()
         shards, what = split_shards(corpus.shards, learners)
-        torch.save({"shards": shards, "val": corpus.val}, bench.data)
+        bench.save_data(shards, corpus.val)
         library = q.library_commit() | {"gradientmail_file": gm.__file__}
-        params = _lm.param_count(sizes.model, sizes.context)
+        params = lm.param_count(sizes.model, sizes.context)
         h.progress(
             f"corpus: {corpus.train_bytes / 1e6:.1f} MB train in {learners} shards; model "
             f"{params / 1e6:.3f}M params; {sizes.steps} steps of B={sizes.batch}, H={h_every}"
         )
-        arms: list[tuple[str, str, str, dict[str, Any] | None]] = [
-            (f"diloco-{learners}", "diloco", f"DiLoCo H={h_every} F=1", None)
-        ]
+        arms = [(f"diloco-{learners}", "diloco", f"DiLoCo H={h_every} F=1", None)]
         arms += [
             (g.key, "moshpit", f"Moshpit H={h_every} {g.describe(learners)}", g.spec())
             for g in grids
@@ -358,26 +300,35 @@ def run_arms(ctx: h.Context, report: h.Report) -> None:
             arm.learners, arm.described = learners, described
             run_learners(bench, arm, options)
         if options.get("inprocess", True):  # ddp and solo-average over the N shards
-            specs = []
-            for kind in ("ddp", "solo-average"):
-                key = f"{kind}-{learners}"
-                bench.arms[key] = q.Arm(key, kind, "main", learners=learners)  # the table's order
-                specs.append(
-                    (bench.arms[key], bench.inprocess_job(key, kind, "main", learners=learners))
-                )
-            bench.run_inprocess(specs)
+            bench.run_inprocess(
+                [
+                    bench.inprocess(f"{kind}-{learners}", kind, "main", learners=learners)
+                    for kind in ("ddp", "solo-average")
+                ]
+            )
         build_report(report, bench.arms, options, corpus, what, sizes, library, params, learners)
         report.data[OPTIONS]["seconds"] = time.monotonic() - started
-    finally:
-        if not ctx.options.get(q.NAME, {}).get("keep_workdir"):
-            shutil.rmtree(bench.dir, ignore_errors=True)
+
+
+LOSS_NOTE = (
+    "Learner arms: N processes on a file mailbox, evaluated as a user would, after they "
+    "finished: `gm.align` in another process (Moshpit: the sample-weighted average of the "
+    "newest group round's group commits; `align` logs which). `learners' own`: the validation "
+    "loss of each learner's own final model (mean / max); solo-average: of each copy. Rounds: "
+    "group rounds a learner applied (DiLoCo: rounds). Bytes: each learner's `counters()` "
+    "bytes_up + bytes_down (every key kind) over the rounds it applied, averaged over "
+    "learners. Missed groups: `counters().missed_groups` summed over learners; short groups: "
+    "group commits with fewer members than their line of the grid holds. Waits: times "
+    "`step()` held training for a commit, summed over learners (the longest total wait of one "
+    "learner). Wall: the slowest learner's training + close (in-process arms: one process)."
+)
 
 
 def build_report(
     report: h.Report,
     rows: Mapping[str, q.Arm],
     options: Mapping[str, Any],
-    corpus: _lm.Corpus,
+    corpus: lm.Corpus,
     what: Sequence[Mapping[str, Any]],
     sizes: _lm.Sizes,
     library: Mapping[str, Any],
@@ -385,74 +336,39 @@ def build_report(
     n: int,
 ) -> None:
     h_every = min(sizes.sync_every)
-    data = report.table(
+    parts = len(corpus.shards)
+    cut = f"each cut into {n // parts} contiguous parts (different files of the same package group)"
+    h.spec_table(
+        report,
         f"Data: the stdlib's .py sources ({corpus.files} files), {n} non-IID shards",
-        ["learner", "package group (quality.py's shard)", "part", "bytes"],
-        note=(
-            f"quality.py's {len(corpus.shards)} shards by top-level package, "
-            + (
-                f"each cut into {n // len(corpus.shards)} contiguous parts (different files "
-                "of the same package group)"
-                if n > len(corpus.shards)
-                else "joined round-robin"
-            )
-            + f". Validation: {sizes.eval_windows} fixed windows of the held-out 5%. Model "
-            f"{params / 1e6:.3f}M params (d_model {sizes.model.d_model}, {sizes.model.layers} "
-            f"layers, {sizes.model.heads} heads, context {sizes.context}); AdamW lr "
-            f"{sizes.lr:g}; B = {sizes.batch} per learner, {sizes.steps} local steps, H = "
-            f"{h_every}: {sizes.steps // h_every} sync points; T = "
-            f"{n * sizes.batch * sizes.steps} samples; {sizes.threads} torch thread per process."
-        ),
+        [
+            ("learner", lambda e: _lm.learner_id(e["learner"])),
+            (
+                "package group (quality.py's shard)",
+                lambda e: ", ".join(lm.SHARD_NAMES[j].split(" (")[0] for j in e["shards"]),
+            ),
+            ("part", lambda e: e["part"]),
+            ("bytes", lambda e: h.size(float(e["bytes"]))),
+        ],
+        what,
+        f"quality.py's {parts} shards by top-level package, "
+        + (cut if n > parts else "joined round-robin")
+        + f". Validation: {sizes.eval_windows} fixed windows of the held-out 5%. Model "
+        f"{params / 1e6:.3f}M params (d_model {sizes.model.d_model}, {sizes.model.layers} "
+        f"layers, {sizes.model.heads} heads, context {sizes.context}); AdamW lr "
+        f"{sizes.lr:g}; B = {sizes.batch} per learner, {sizes.steps} local steps, H = "
+        f"{h_every}: {sizes.steps // h_every} sync points; T = "
+        f"{n * sizes.batch * sizes.steps} samples; {sizes.threads} torch thread per process.",
     )
-    for entry in what:
-        shard_names = ", ".join(_lm.SHARD_NAMES[j].split(" (")[0] for j in entry["shards"])
-        data.add(
-            _lm.learner_id(entry["learner"]),
-            shard_names,
-            entry["part"],
-            h.size(float(entry["bytes"])),
-        )
     ref = rows.get(f"diloco-{n}")
     ref_loss = ref.final_loss if ref is not None and not ref.error else math.nan
-    table = report.table(
-        "Validation loss (nats per byte; lower is better) and traffic per arm",
-        [
-            "arm",
-            "setting",
-            "loss (aligned)",
-            f"vs diloco-{n}",
-            "learners' own: mean / max",
-            "rounds / learner",
-            "bytes / learner / round: up+down (up)",
-            "missed groups",
-            "short groups",
-            "waits (max s)",
-            "wall (training)",
-        ],
-        note=(
-            "Learner arms: N processes on a file mailbox, evaluated as a user would, after "
-            "they finished: `gm.align` in another process (Moshpit: the sample-weighted "
-            "average of the newest group round's group commits; `align` logs which). "
-            "`learners' own`: the validation loss of each learner's own final model (mean / "
-            "max); solo-average: of each copy. Rounds: group rounds a learner applied "
-            "(DiLoCo: rounds). Bytes: each learner's `counters()` bytes_up + bytes_down "
-            "(every key kind: payloads, records, beats, listings) over the rounds it applied, "
-            "averaged over learners. Missed groups: `counters().missed_groups` summed over "
-            "learners; short groups: group commits with fewer members than their line of the "
-            "grid holds (closed by `round_timeout` or without a late member). Waits: times "
-            "`step()` held training for a commit, summed over learners (the longest total "
-            "wait of one learner). Wall: the slowest learner's training + close (8 processes "
-            "share 2 cores; in-process arms: one process, not comparable)."
-        ),
-    )
-    for row in rows.values():
+
+    def cells(row: q.Arm) -> list[object]:
         if row.error:
-            table.add(row.key, row.setting, f"ERROR: {row.error}", *[""] * 8)
-            continue
+            return [row.key, row.setting, f"ERROR: {row.error}", *[""] * 8]
         d = row.data
-        per = d.get("bytes_per_round")
-        waits = d.get("waits_total")
-        table.add(
+        per, waits, grid = d.get("bytes_per_round"), d.get("waits_total"), grid_of(row)
+        return [
             row.key,
             row.setting,
             f"{row.final_loss:.4f}",
@@ -460,14 +376,52 @@ def build_report(
             _spread(row),
             h.num(d.get("rounds_per_learner"), "{:.1f}") if per else "-",
             f"{h.size(per['total'])} (up {h.size(per['up'])})" if per else "-",
-            h.num(d.get("missed_groups")) if grid_of(row) else "-",
-            str(len(d.get("short_groups") or [])) if grid_of(row) else "-",
+            h.num(d.get("missed_groups")) if grid else "-",
+            str(len(d.get("short_groups") or [])) if grid else "-",
             f"{h.num(waits)} ({h.num(d.get('waited_s_max'), '{:.1f}')})" if per else "-",
             h.secs(row.wall_s),
-        )
+        ]
+
+    headers = [
+        "arm",
+        "setting",
+        "loss (aligned)",
+        f"vs diloco-{n}",
+        "learners' own: mean / max",
+        "rounds / learner",
+        "bytes / learner / round: up+down (up)",
+        "missed groups",
+        "short groups",
+        "waits (max s)",
+        "wall (training)",
+    ]
+    title = "Validation loss (nats per byte; lower is better) and traffic per arm"
+    table = report.table(title, headers, note=LOSS_NOTE)
+    for row in rows.values():
+        table.add(*cells(row))
     moshpit = [r for r in rows.values() if grid_of(r) is not None]
+
+    def groups(row: q.Arm) -> list[object]:
+        d, grid = row.data, grid_of(row)
+        assert grid is not None
+        if row.error:
+            return [row.key, grid.describe(n), f"ERROR: {row.error}", *[""] * 6]
+        shapes = ", ".join(f"{k}: {v}" for k, v in (d.get("group_sizes") or {}).items())
+        loaded = (m.removeprefix("align: loaded ") for m in d.get("align_log") or [])
+        return [
+            row.key,
+            grid.describe(n),
+            d.get("group_rounds"),
+            d.get("group_commits"),
+            shapes or "-",
+            "; ".join(d.get("short_groups") or []) or "0",
+            d.get("excluded"),
+            "; ".join(loaded) or "-",
+            d.get("align_matches_groups"),
+        ]
+
     if moshpit:
-        groups = report.table(
+        table = report.table(
             "Moshpit group rounds (from the mailbox after the run)",
             [
                 "arm",
@@ -486,40 +440,18 @@ def build_report(
             ),
         )
         for row in moshpit:
-            d = row.data
-            grid = grid_of(row)
-            assert grid is not None
-            if row.error:
-                groups.add(row.key, grid.describe(n), f"ERROR: {row.error}", *[""] * 6)
-                continue
-            shapes = ", ".join(f"{k}: {v}" for k, v in (d.get("group_sizes") or {}).items())
-            groups.add(
-                row.key,
-                grid.describe(n),
-                d.get("group_rounds"),
-                d.get("group_commits"),
-                shapes or "-",
-                "; ".join(d.get("short_groups") or []) or "0",
-                d.get("excluded"),
-                "; ".join(m.removeprefix("align: loaded ") for m in d.get("align_log") or [])
-                or "-",
-                d.get("align_matches_groups"),
-            )
+            table.add(*groups(row))
     for row in moshpit:
+        grid = grid_of(row)
+        name = f"validation loss within 3% of diloco-{n}"
         if row.error or math.isnan(ref_loss):
-            report.target(
-                f"{row.key} validation loss within 3% of diloco-{n}",
-                "n/a",
-                f"<= {100 * TARGET:.0f}% above diloco-{n}",
-                None,
-                row.error or f"no diloco-{n} loss",
-            )
+            why = row.error or f"no diloco-{n} loss"
+            goal = f"<= {100 * TARGET:.0f}% above diloco-{n}"
+            report.target(f"{row.key} {name}", "n/a", goal, None, why)
             continue
         gap = row.final_loss / ref_loss - 1
-        grid = grid_of(row)
         report.target(
-            f"{row.key} ({grid.describe(n) if grid else ''}) validation loss within "
-            f"3% of diloco-{n}",
+            f"{row.key} ({grid.describe(n) if grid else ''}) {name}",
             f"{row.final_loss:.4f} vs {ref_loss:.4f} ({100 * gap:+.2f}%)",
             f"<= +{100 * TARGET:.0f}%",
             gap <= TARGET,
@@ -552,7 +484,13 @@ def build_report(
         "corpus": corpus.describe(),
         "shards": list(what),
         "target": TARGET,
-        "arms": [arm_json(row) for row in rows.values()],
+        "arms": [
+            h.fields(arm, "key")
+            | {"kind": arm.arm, "setting": arm.setting}
+            | {"grid": None if (g := grid_of(arm)) is None else [g.group_size, g.grid_dims]}
+            | h.fields(arm, "final_loss learner_losses curve wall_s error data")
+            for arm in rows.values()
+        ],
     }
 
 
@@ -562,26 +500,23 @@ def scale_note(
     """How wide the target's 3% is at this size: the gap no communication at all leaves,
     and the share of it each Moshpit arm closes."""
     gap = solo.final_loss - ref_loss
-    words = [
+    words = (
         f"For scale: solo-average-{n} (no communication, one average at the end) is "
         f"{h.change(solo.final_loss, ref_loss)} from diloco-{n}"
-    ]
+    )
     if ddp is not None and not ddp.error:
-        words.append(f", ddp-{n} {h.change(ddp.final_loss, ref_loss)}")
+        words += f", ddp-{n} {h.change(ddp.final_loss, ref_loss)}"
     closed = [
         f"{r.key} {100 * (solo.final_loss - r.final_loss) / gap:.0f}%"
         for r in moshpit
         if not r.error and gap > 0
     ]
     if closed:
-        words.append(
+        words += (
             "; of the gap between no communication and DiLoCo the Moshpit arms close "
             + ", ".join(closed)
         )
-    return "".join(words) + "."
-
-
-# -- the command -----------------------------------------------------------------------------
+    return words + "."
 
 
 def main(argv: Sequence[str] | None = None) -> int:

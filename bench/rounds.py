@@ -2,46 +2,21 @@
 round, against the byte lower bound and the raw transfer of the same bytes on the same store,
 measured in the same run.
 
-Several learners (threads of this process, each with its own model copy and its own
-``gm.Session``) train a model of ``--params`` float32 parameters with a cheap fake step (a
-little noise added to every tensor, then a short sleep standing in for accelerator time), so
-the run is communication-bound. One mailbox per configuration: SeaweedFS (started fresh by
-this benchmark, one prefix per configuration) or ``gm.FileMailbox`` in a temporary
-directory. After ``--warmup`` training rounds, ``--rounds`` committed rounds are measured
-(twice as many with P > 1 fragments: a round of P fragments carries 1/P of the model).
-
-Measured, per learner and committed round (window deltas of ``session.counters()``):
-
-1. bytes up + down, against the lower bound of one fragment up and one fragment down
-   (fragment bytes = parameter bytes / fragments);
-2. requests;
-3. commit latency: ``Applied.lag_s`` (from this learner's ``Published`` to its ``Applied``),
-   median, against a raw put + get of one fragment's bytes on the same store (a plain
-   ``boto3`` ``put_object`` + ``get_object`` on SeaweedFS; a file write + fsync + read for the
-   filesystem), measured in the same run;
-4. time inside ``session.step()`` on the training thread, for calls that snapshot a
-   fragment, calls that apply a commit, and plain calls, against a bare training step
-   (forward + backward + SGD) of a 1M-parameter MLP at batch 32 on the CPU.
-
-A recording wrapper under each session's mailbox (``_recorder.py``) attributes every byte
-to what it carried (snapshot / params / momentum payloads, JSON records) and every round's
-latency to its phases (waiting for the other learners, close detection, closer work,
-syncer).
-
-Targets: <= 1.2x the byte lower bound, <= 2x the raw transfer time.
-
-The learners, mailboxes and analysis are in ``_fleet.py`` (shared with benchmark 7, ``scale``);
-this module builds the report.
+Learners (threads, each its own ``gm.Session``; ``_fleet.py``) train a model of ``--params``
+float32 parameters with a cheap fake step (noise, then a short sleep), so the run is
+communication-bound, on SeaweedFS (started fresh, a prefix per configuration) or
+``gm.FileMailbox``. After ``--warmup`` rounds, ``--rounds`` committed rounds are measured
+(twice as many with P > 1 fragments). Per learner and committed round: bytes up + down
+against one fragment up and one down; requests; commit latency (``Applied.lag_s``) against a
+raw put + get of one fragment on the same store; time inside ``step()`` against a bare
+training step of a 1M-parameter MLP; and, from a recording mailbox (``_recorder.py``), bytes
+by what they carried and latency by phase. Targets: <= 1.2x the byte lower bound, <= 2x the
+raw transfer time.
 
 With ``--compression`` (or ``--compression-table``: every setting of ``DEFAULT_SETTINGS``)
-it measures instead, in one run, the bytes per learner per committed round of dense float32
-DiLoCo (the reference) and of DiLoCo with a compressor (``gm.TopK``, ``gm.Cast``,
-``gm.Quantize``) and SparseLoCo, on the same store, model and learners (default: the
-filesystem, 3 learners, 3M params, 1 fragment): up, down, the closer's dense commit upload
-split out, the ratio of the reference to each, a contribution's bytes per element (measured
-and the compressor's ``encoded_bytes``), and the compressor's ``encode`` and ``add_decoded``
-time on a tensor of the fragment's size against a bare training step measured interleaved.
-No targets.
+it measures instead the bytes per learner per committed round of dense float32 DiLoCo (the
+reference) and of DiLoCo with a compressor and SparseLoCo, on the same store, model and
+learners, and the codecs' time against a bare training step measured interleaved. No targets.
 
     .venv/bin/python -m bench rounds [--quick | --large]
     .venv/bin/python bench/rounds.py [--backends seaweedfs,filesystem] [--learners 2,4]
@@ -75,18 +50,14 @@ import torch
 
 import gradientmail as gm
 from bench import _harness as h
-from bench._fleet import Result, Run, file_target, phase_table, seaweedfs_target
+from bench._fleet import Result, Run, phase_table
 from bench._workload import BATCH, MlpTrainer, build_model
+from bench.mailbox import target
 from gradientmail.algorithms.base import accumulate
 
 NAME = "rounds"
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
-# -- the report ------------------------------------------------------------------------------
+CLOSER_WORK = ("put params", "put momentum", "get snapshot", "get momentum", "get params (by")
+CONTRIBUTOR_WORK = ("put snapshot", "get params (sync)")
 
 
 def _purpose_order(label: str) -> tuple[int, str]:
@@ -101,8 +72,12 @@ def _config(r: Result) -> str:
     return f"{r.backend} L={r.learners} P={r.fragments} {r.params / 1e6:.0f}M"
 
 
-CLOSER_WORK = ("put params", "put momentum", "get snapshot", "get momentum", "get params (by")
-CONTRIBUTOR_WORK = ("put snapshot", "get params (sync)")
+def _rounds(r: Result) -> str:
+    return f"{r.rounds}{'*' if r.partial else ''}"
+
+
+def _partial(args: argparse.Namespace, partial: bool) -> str:
+    return f" `*`: stopped at --max-seconds={args.max_seconds:g} before --rounds." * partial
 
 
 def star_floor(learners: int) -> float:
@@ -112,6 +87,62 @@ def star_floor(learners: int) -> float:
     return 3 - 1 / learners
 
 
+def _bytes_ratio(r: Result) -> float:
+    return r.up_down / (2 * r.fragment_bytes)
+
+
+def _lag_ratio(r: Result) -> float:
+    return h.median(r.lag) / r.raw
+
+
+MAIN_COLUMNS: list[tuple[str, Any]] = [
+    ("backend", lambda r: r.backend),
+    ("L", lambda r: r.learners),
+    ("P", lambda r: r.fragments),
+    ("params", lambda r: f"{r.params / 1e6:.1f}M"),
+    ("rounds", _rounds),
+    ("up+down / learner / round", lambda r: h.size(r.up_down)),
+    ("lower bound", lambda r: h.size(2 * r.fragment_bytes)),
+    ("ratio (<= 1.2)", lambda r: h.ratio(r.up_down, 2 * r.fragment_bytes)),
+    ("floor of 1 closer", lambda r: f"{star_floor(r.learners) / 2:.2f}x"),
+    ("requests / round", lambda r: f"{r.requests:.1f}"),
+    ("commit latency (median)", lambda r: h.secs(h.median(r.lag))),
+    ("raw put+get", lambda r: h.secs(r.raw)),
+    ("ratio (<= 2)", lambda r: h.ratio(h.median(r.lag), r.raw, 1)),
+    ("closes / round", lambda r: f"{r.closes:.2f}"),
+]
+
+
+def _steps(kind: str) -> Any:
+    return lambda r: f"{len(r.steps.get(kind, []))}, {h.secs(h.median(r.steps.get(kind, [])))}"
+
+
+def _every(r: Result) -> float:
+    return h.mean([v for values in r.steps.values() for v in values])
+
+
+def _record(r: Result) -> dict[str, Any]:
+    lag = h.median(r.lag)
+    return {
+        "config": _config(r),
+        **h.fields(r, "backend learners fragments params rounds partial"),
+        "bytes_per_learner_round": r.up_down,
+        "bytes_ratio": _bytes_ratio(r),
+        "requests_per_learner_round": r.requests,
+        "latency_median_s": lag,
+        "latency_s": h.Stats.of(r.lag).__dict__,
+        "raw_put_get_s": r.raw,
+        "latency_ratio": lag / r.raw,
+        "closes_per_round": r.closes,
+        "bytes_by_purpose": r.purposes,
+        "requests_by": r.requests_by,
+        "phases_median_s": {k: h.median(v) for k, v in r.phases.items()},
+        "step_s": {k: h.Stats.of(v).__dict__ for k, v in r.steps.items()},
+        "skipped_syncs": r.skipped,
+        "errors": r.errors,
+    }
+
+
 def build_report(results: list[Result], args: argparse.Namespace) -> h.Report:
     report = h.Report(
         NAME,
@@ -119,116 +150,44 @@ def build_report(results: list[Result], args: argparse.Namespace) -> h.Report:
         "the byte lower bound (one fragment up + one down per learner per round) and a raw "
         "put + get of one fragment on the same store, measured in this run",
     )
-    table = report.table(
+    h.spec_table(
+        report,
         f"Per learner per committed round (sync_every={args.sync_every}, poll_interval="
         f"{args.poll_interval} s, fake step {args.step_ms:g} ms)",
-        [
-            "backend",
-            "L",
-            "P",
-            "params",
-            "rounds",
-            "up+down / learner / round",
-            "lower bound",
-            "ratio (<= 1.2)",
-            "floor of 1 closer",
-            "requests / round",
-            "commit latency (median)",
-            "raw put+get",
-            "ratio (<= 2)",
-            "closes / round",
-        ],
-        note=(
-            "Lower bound: one fragment up + one down (fragment = parameter bytes / fragments). "
-            "Floor of 1 closer: what any protocol in which one learner downloads the others' "
-            "snapshots and uploads the result moves, averaged over learners, without a "
-            "momentum blob: (3 - 1/L)/2 x the bound. Raw put+get: one fragment, boto3 "
-            "put_object + get_object (SeaweedFS) or write + fsync + read (filesystem), median "
-            "of --reps. `closes / round`: puts of the `rounds/` record per committed round."
-            + (
-                f" `*`: stopped at --max-seconds={args.max_seconds:g} before --rounds."
-                if any(r.partial for r in results)
-                else ""
-            )
-        ),
+        MAIN_COLUMNS,
+        results,
+        "Lower bound: one fragment up + one down (fragment = parameter bytes / fragments). "
+        "Floor of 1 closer: what any protocol in which one learner downloads the others' "
+        "snapshots and uploads the result moves, averaged over learners, without a "
+        "momentum blob: (3 - 1/L)/2 x the bound. Raw put+get: one fragment, boto3 "
+        "put_object + get_object (SeaweedFS) or write + fsync + read (filesystem), median "
+        "of --reps. `closes / round`: puts of the `rounds/` record per committed round."
+        + _partial(args, any(r.partial for r in results)),
     )
-    rows_json = []
-    for r in results:
-        bound = 2 * r.fragment_bytes
-        lag = h.median(r.lag)
-        table.add(
-            r.backend,
-            r.learners,
-            r.fragments,
-            f"{r.params / 1e6:.1f}M",
-            f"{r.rounds}{'*' if r.partial else ''}",
-            h.size(r.up_down),
-            h.size(bound),
-            h.ratio(r.up_down, bound),
-            f"{star_floor(r.learners) / 2:.2f}x",
-            f"{r.requests:.1f}",
-            h.secs(lag),
-            h.secs(r.raw),
-            h.ratio(lag, r.raw, 1),
-            f"{r.closes:.2f}",
-        )
-        rows_json.append(
-            {
-                "config": _config(r),
-                "backend": r.backend,
-                "learners": r.learners,
-                "fragments": r.fragments,
-                "params": r.params,
-                "rounds": r.rounds,
-                "partial": r.partial,
-                "bytes_per_learner_round": r.up_down,
-                "bytes_ratio": r.up_down / bound,
-                "requests_per_learner_round": r.requests,
-                "latency_median_s": lag,
-                "latency_s": h.Stats.of(r.lag).__dict__,
-                "raw_put_get_s": r.raw,
-                "latency_ratio": lag / r.raw,
-                "closes_per_round": r.closes,
-                "bytes_by_purpose": r.purposes,
-                "requests_by": r.requests_by,
-                "phases_median_s": {k: h.median(v) for k, v in r.phases.items()},
-                "step_s": {k: h.Stats.of(v).__dict__ for k, v in r.steps.items()},
-                "skipped_syncs": r.skipped,
-                "errors": r.errors,
-            }
-        )
-
     pooled = [t for r in results for t in r.ref_step]
     ref = h.median(pooled)
-    table = report.table(
+    h.spec_table(
+        report,
         f"step() on the training thread (fake training), against a bare step of the 1M-param "
         f"MLP (batch {BATCH}, CPU): median {h.secs(ref)} over {len(pooled)} steps",
         [
-            "config",
-            "snapshot calls (n, median)",
-            "apply calls (n, median)",
-            "plain calls (n, median)",
-            "mean, all calls",
-            "vs bare step",
+            ("config", _config),
+            *(
+                (f"{kind} calls (n, median)", _steps(kind))
+                for kind in ("snapshot", "apply", "plain")
+            ),
+            ("mean, all calls", lambda r: h.secs(_every(r))),
+            ("vs bare step", lambda r: h.pct(_every(r), ref)),
         ],
-        note=(
-            "Learners are threads of one process here, so calls also wait for the GIL; "
-            "benchmark 4 measures step() in processes of their own."
-        ),
+        results,
+        "Learners are threads of one process here, so calls also wait for the GIL; "
+        "benchmark 4 measures step() in processes of their own.",
     )
-    for r in results:
-        cells = [
-            f"{len(r.steps.get(k, []))}, {h.secs(h.median(r.steps.get(k, [])))}"
-            for k in ("snapshot", "apply", "plain")
-        ]
-        every = [v for values in r.steps.values() for v in values]
-        table.add(_config(r), *cells, h.secs(h.mean(every)), h.pct(h.mean(every), ref))
-
-    labels = sorted({k for r in results for k in r.purposes}, key=_purpose_order)
+    configs = [_config(r) for r in results]
     table = report.table(
         "Where the bytes go: per learner per committed round, in fragments "
         "(lower bound: 1.00 up + 1.00 down = 2.00)",
-        ["what (direction)", *(_config(r) for r in results)],
+        ["what (direction)", *configs],
         note=(
             "snapshot blobs: each learner's contribution (up) and the closer reading the "
             "others' (down). params / momentum blobs: the closer's commit (up); read back by "
@@ -237,41 +196,36 @@ def build_report(results: list[Result], args: argparse.Namespace) -> h.Report:
             "round's momentum."
         ),
     )
-    for label in labels:
-        if all(r.purposes.get(label, 0.0) / r.fragment_bytes < 0.005 for r in results):
-            continue
-        table.add(label, *(f"{r.purposes.get(label, 0.0) / r.fragment_bytes:.2f}" for r in results))
-    small = [
-        sum(v for k, v in r.purposes.items() if "(records)" in k) / r.fragment_bytes
-        for r in results
-    ]
-    table.add("JSON records, all kinds", *(f"{v:.3f}" for v in small))
+
+    def row(label: str, value: Any, fmt: str = "{:.2f}") -> None:
+        table.add(label, *(fmt.format(value(r)) for r in results))
+
+    for label in sorted({k for r in results for k in r.purposes}, key=_purpose_order):
+        if any(r.purposes.get(label, 0.0) / r.fragment_bytes >= 0.005 for r in results):
+            row(label, lambda r, k=label: r.purposes.get(k, 0.0) / r.fragment_bytes)
+    row("JSON records, all kinds", lambda r: records(r.purposes) / r.fragment_bytes, "{:.3f}")
 
     def role(r: Result, prefixes: Sequence[str]) -> float:
-        picked = sum(v for k, v in r.purposes.items() if k.startswith(tuple(prefixes)))
-        return picked / r.fragment_bytes
+        return (
+            sum(v for k, v in r.purposes.items() if k.startswith(tuple(prefixes)))
+            / r.fragment_bytes
+        )
 
-    table.add("= closer's work", *(f"{role(r, CLOSER_WORK):.2f}" for r in results))
-    table.add("= every contributor's work", *(f"{role(r, CONTRIBUTOR_WORK):.2f}" for r in results))
-    table.add("total", *(f"{sum(r.purposes.values()) / r.fragment_bytes:.2f}" for r in results))
-    table.add(
-        "(recorder / counters)",
-        *(f"{r.recorder_total / max(r.counters_total, 1):.3f}" for r in results),
-    )
-
-    kinds = sorted({k for r in results for k in r.requests_by})
+    row("= closer's work", lambda r: role(r, CLOSER_WORK))
+    row("= every contributor's work", lambda r: role(r, CONTRIBUTOR_WORK))
+    row("total", lambda r: sum(r.purposes.values()) / r.fragment_bytes)
+    row("(recorder / counters)", lambda r: r.recorder_total / max(r.counters_total, 1), "{:.3f}")
     table = report.table(
         "Requests per learner per committed round, by operation and key kind",
-        ["request", *(_config(r) for r in results)],
+        ["request", *configs],
     )
-    for k in kinds:
+    for k in sorted({k for r in results for k in r.requests_by}):
         table.add(k, *(f"{r.requests_by.get(k, 0):.2f}" for r in results))
     table.add("total", *(f"{r.requests:.1f}" for r in results))
-
     table = phase_table(
         report,
         results,
-        [_config(r) for r in results],
+        configs,
         "commit latency (Applied.lag_s)",
         "From this learner's snapshot record (Published) on: until the last contributor's "
         "snapshot record; until the closer's claim; the closer's blob gets/puts, then the "
@@ -286,47 +240,39 @@ def build_report(results: list[Result], args: argparse.Namespace) -> h.Report:
             f"({r.seconds / r.rounds:.2f} s/round), {r.skipped} due syncs skipped "
             "(fragment still in flight)"
         )
-        for error in r.errors:
-            report.notes.append(f"ERROR {_config(r)}: {error}")
+        report.notes.extend(f"ERROR {_config(r)}: {error}" for error in r.errors)
 
     for backend in dict.fromkeys(r.backend for r in results):
         mine = [r for r in results if r.backend == backend]
-        worst_bytes = max(mine, key=lambda r: r.up_down / (2 * r.fragment_bytes))
-        b_ratio = worst_bytes.up_down / (2 * worst_bytes.fragment_bytes)
+        worst = max(mine, key=_bytes_ratio)
         best_floor = min(star_floor(r.learners) / 2 for r in mine)
         report.target(
             f"bytes per learner per round vs the lower bound, {backend}",
-            f"{b_ratio:.2f}x at worst ({_config(worst_bytes)}); best "
-            f"{min(r.up_down / (2 * r.fragment_bytes) for r in mine):.2f}x",
+            f"{_bytes_ratio(worst):.2f}x at worst ({_config(worst)}); best "
+            f"{min(map(_bytes_ratio, mine)):.2f}x",
             "<= 1.2x",
-            b_ratio <= 1.2,
-            (
-                "Averaged over learners, a round closed by one learner cannot go below "
-                f"(3 - 1/L)/2 x the bound ({best_floor:.2f}x at L={min(r.learners for r in mine)}"
-                "): the closer downloads L-1 snapshots and uploads the result, the others "
-                "download it. On top: the momentum blob (1/L fragment up per learner) and "
-                "momentum downloads by a closer whose cache misses (see the bytes table). A "
-                "contributor that does not close moves exactly the bound (1 up, 1 down)"
-            ),
+            _bytes_ratio(worst) <= 1.2,
+            "Averaged over learners, a round closed by one learner cannot go below "
+            f"(3 - 1/L)/2 x the bound ({best_floor:.2f}x at L={min(r.learners for r in mine)}"
+            "): the closer downloads L-1 snapshots and uploads the result, the others "
+            "download it. On top: the momentum blob (1/L fragment up per learner) and "
+            "momentum downloads by a closer whose cache misses (see the bytes table). A "
+            "contributor that does not close moves exactly the bound (1 up, 1 down)",
         )
-        worst_lag = max(mine, key=lambda r: h.median(r.lag) / r.raw)
-        l_ratio = h.median(worst_lag.lag) / worst_lag.raw
+        worst = max(mine, key=_lag_ratio)
         sees = [h.median(r.phases.get("syncer: sees the record", [])) for r in mine]
         report.target(
             f"commit latency vs raw put+get of one fragment, {backend}",
-            f"{l_ratio:.1f}x at worst ({_config(worst_lag)}: {h.secs(h.median(worst_lag.lag))} "
-            f"vs {h.secs(worst_lag.raw)}); best "
-            f"{min(h.median(r.lag) / r.raw for r in mine):.1f}x",
+            f"{_lag_ratio(worst):.1f}x at worst ({_config(worst)}: {h.secs(h.median(worst.lag))} "
+            f"vs {h.secs(worst.raw)}); best {min(map(_lag_ratio, mine)):.1f}x",
             "<= 2x",
-            l_ratio <= 2,
-            (
-                "See the phase table: the syncer learns of a commit by polling every "
-                f"poll_interval={args.poll_interval} s (median wait until it sees the record: "
-                f"{h.secs(h.median(sees))}), and the closer downloads, combines, encodes and "
-                "uploads (params and momentum) one after another"
-            ),
+            _lag_ratio(worst) <= 2,
+            "See the phase table: the syncer learns of a commit by polling every "
+            f"poll_interval={args.poll_interval} s (median wait until it sees the record: "
+            f"{h.secs(h.median(sees))}), and the closer downloads, combines, encodes and "
+            "uploads (params and momentum) one after another",
         )
-    report.data = {"args": vars(args), "configs": rows_json}
+    report.data = {"args": vars(args), "configs": [_record(r) for r in results]}
     return report
 
 
@@ -392,11 +338,6 @@ def _describe(compression: gm.Compression) -> str:
     return text if chunk == TOPK_CHUNK else f"{text} chunk {chunk}"
 
 
-def _fraction(text: str) -> float:
-    """``0.01`` or ``1%``."""
-    return float(text[:-1]) / 100 if text.endswith("%") else float(text)
-
-
 def parse_setting(spec: str) -> Setting:
     """``dense`` | ``topk:DENSITY:BITS[:CHUNK]`` | ``cast[:bfloat16|float16]`` |
     ``quantize[:BITS[:CHUNK]]`` (DiLoCo with that compressor) | ``sparseloco`` (its default
@@ -418,12 +359,13 @@ def parse_setting(spec: str) -> Setting:
         if name == "sparseloco" and not fields:
             compression = gm.SparseLoCo().compression
             assert compression is not None
-            return Setting(
-                text, f"SparseLoCo {_describe(compression)} (default)", True, compression
-            )
+            label = f"SparseLoCo {_describe(compression)} (default)"
+            return Setting(text, label, True, compression)
         if name in ("topk", "sparseloco") and len(fields) in (2, 3):
             chunk = int(fields[2]) if len(fields) == 3 else TOPK_CHUNK
-            compression = gm.TopK(density=_fraction(fields[0]), bits=int(fields[1]), chunk=chunk)
+            density = fields[0]
+            fraction = float(density[:-1]) / 100 if density.endswith("%") else float(density)
+            compression = gm.TopK(density=fraction, bits=int(fields[1]), chunk=chunk)
         elif name == "cast" and len(fields) <= 1:
             compression = gm.Cast(fields[0] if fields else "bfloat16")
         elif name == "quantize" and len(fields) <= 2:
@@ -438,12 +380,8 @@ def parse_setting(spec: str) -> Setting:
             "cast[:DTYPE], quantize[:BITS[:CHUNK]], sparseloco[:DENSITY:BITS[:CHUNK]]"
         )
     sparse = name == "sparseloco"
-    return Setting(
-        text,
-        f"{'SparseLoCo' if sparse else 'DiLoCo'} {_describe(compression)}",
-        sparse,
-        compression,
-    )
+    label = f"{'SparseLoCo' if sparse else 'DiLoCo'} {_describe(compression)}"
+    return Setting(text, label, sparse, compression)
 
 
 def parse_settings(text: str | Sequence[str]) -> list[Setting]:
@@ -454,26 +392,23 @@ def parse_settings(text: str | Sequence[str]) -> list[Setting]:
     if [x.lower() for x in specs] in (["all"], ["default"]):
         specs = list(DEFAULT_SETTINGS)
     settings: list[Setting] = []
-    for spec in specs:
-        setting = parse_setting(spec)
-        if all(
-            (s.sparse, s.compression, s.dense_every)
-            != (setting.sparse, setting.compression, setting.dense_every)
-            for s in settings
-        ):
+    for setting in map(parse_setting, specs):
+        same = (setting.sparse, setting.compression, setting.dense_every)
+        if all((s.sparse, s.compression, s.dense_every) != same for s in settings):
             settings.append(setting)
     dense = [s for s in settings if s.compression is None]
     rest = [s for s in settings if s.compression is not None]
     return (dense or [parse_setting("dense")]) + rest
 
 
-COMMIT_UPLOAD = ("put params", "put momentum")
-
-
 def commit_upload(purposes: Mapping[str, float]) -> float:
     """The closer's dense commit upload (params and state payloads, the part a future
     ``dense_every`` would remove) among the recorder's bytes by purpose."""
-    return sum(v for k, v in purposes.items() if k.startswith(COMMIT_UPLOAD) and k.endswith("[up]"))
+    return sum(
+        v
+        for k, v in purposes.items()
+        if k.startswith(("put params", "put momentum")) and k.endswith("[up]")
+    )
 
 
 def records(purposes: Mapping[str, float]) -> float:
@@ -499,13 +434,11 @@ def _codec_key(setting: Setting) -> str:
 def time_codecs(
     settings: Sequence[Setting], numel: int, learners: int, reps: int, steps: int = 10
 ) -> CodecTimes:
-    """``compression.encode`` and ``add_decoded`` (weight 1/learners) of each setting's
-    compressor on one random float32 tensor of ``numel`` elements, a dense ``accumulate`` for
-    the reference, and ``steps`` bare training steps (``_workload.MlpTrainer``: the 1M-param
-    MLP at batch 32), taking turns within each repetition; medians over ``reps``."""
+    """``encode`` and ``add_decoded`` (weight 1/learners) of each setting's compressor on one
+    random float32 tensor of ``numel`` elements, a dense ``accumulate`` for the reference,
+    and ``steps`` bare training steps (``MlpTrainer``), taking turns; medians over ``reps``."""
     values = torch.randn(numel, generator=torch.Generator().manual_seed(0))
     out = torch.zeros(numel)
-    weight = 1.0 / learners
     trainer = MlpTrainer()
     for _ in range(20):  # warm up
         trainer.step()
@@ -517,16 +450,14 @@ def time_codecs(
     fns: dict[str, Any] = {"step": bare}
     for setting in settings:
         key, compression = _codec_key(setting), setting.compression
-        if f"decode {key}" in fns:
-            continue
         if compression is None:
-            fns[f"decode {key}"] = functools.partial(accumulate, out, values, weight)
-            continue
-        parts = compression.encode(values)
-        fns[f"encode {key}"] = functools.partial(compression.encode, values)
-        fns[f"decode {key}"] = functools.partial(
-            compression.add_decoded, out, parts, weight, where="bench"
-        )
+            fns[f"decode {key}"] = functools.partial(accumulate, out, values, 1.0 / learners)
+        elif f"decode {key}" not in fns:
+            parts = compression.encode(values)
+            fns[f"encode {key}"] = functools.partial(compression.encode, values)
+            fns[f"decode {key}"] = functools.partial(
+                compression.add_decoded, out, parts, 1.0 / learners, where="bench"
+            )
     stats = h.measure_interleaved(fns, reps, warmup=1)
     return CodecTimes(
         numel,
@@ -557,28 +488,126 @@ def run_compression(args: argparse.Namespace, workdir: Path) -> h.Report:
             settings, numel, learners, args.codec_reps
         )
     for backend in args.backends:
-        opener: Any = seaweedfs_target(workdir) if backend == "seaweedfs" else file_target(workdir)
-        with opener as target:
+        with target(backend, workdir, NAME) as store:
             for params, learners, fragments in sizes:
                 numels = [x.numel() for x in build_model(params, fragments).parameters()]
-                for setting in settings:
-                    algorithm = setting.algorithm(args.sync_every, fragments)
+                for s in settings:
+                    algorithm = s.algorithm(args.sync_every, fragments)
                     run = Run(
-                        args,
-                        target,
-                        learners,
-                        fragments,
-                        params,
-                        algorithm=algorithm,
-                        label=setting.label,
+                        args, store, learners, fragments, params, algorithm=algorithm, label=s.label
                     )
-                    runs.append(CompressionRun(setting, run.execute(), numels))
+                    runs.append(CompressionRun(s, run.execute(), numels))
     return build_compression_report(runs, codecs, args)
 
 
 def _ratios(value: h.Stats, reference: h.Stats) -> str:
     """``median / median (min / min)``."""
     return f"{h.ratio(value.median, reference.median)} ({h.ratio(value.min, reference.min)})"
+
+
+def _measured(x: CompressionRun) -> float:
+    r = x.result
+    return r.purposes.get("put snapshot [up]", 0.0) / (r.params / r.fragments)
+
+
+def _setting_tables(
+    report: h.Report, args: argparse.Namespace, config: str, mine: list[CompressionRun]
+) -> list[dict[str, Any]]:
+    """The two tables of one (backend, learners, fragments, params); its JSON rows."""
+    ref = next((x.result for x in mine if x.setting.compression is None), None)
+    ref_total = ref.up + ref.down if ref else float("nan")
+    ref_rest = ref_total - commit_upload(ref.purposes) if ref else float("nan")
+
+    def total(x: CompressionRun) -> float:
+        return x.result.up + x.result.down
+
+    def rest(x: CompressionRun) -> float:
+        return total(x) - commit_upload(x.result.purposes)
+
+    h.spec_table(
+        report,
+        f"Per learner per committed round, {config} (sync_every={args.sync_every}, "
+        f"fake step {args.step_ms:g} ms)",
+        [
+            ("setting", lambda x: x.setting.label),
+            ("B/elem analytic", lambda x: f"{x.setting.bytes_per_element(x.numels):.4f}"),
+            ("B/elem measured", lambda x: f"{_measured(x):.4f}"),
+            ("up", lambda x: h.size(x.result.up)),
+            ("down", lambda x: h.size(x.result.down)),
+            ("up+down", lambda x: h.size(total(x))),
+            ("dense / this", lambda x: h.ratio(ref_total, total(x))),
+            ("commit upload", lambda x: h.size(commit_upload(x.result.purposes))),
+            ("without commit upload", lambda x: h.size(rest(x))),
+            ("dense / this (without)", lambda x: h.ratio(ref_rest, rest(x))),
+            (
+                "computed / applied",
+                lambda x: f"{x.result.computed:.2f} / {x.result.applied:.2f}",
+            ),
+            ("rounds", lambda x: _rounds(x.result)),
+        ],
+        mine,
+        "Bytes from `session.counters()` deltas over the measured window, every key "
+        "kind (blobs and JSON records), divided by learners x committed rounds. B/elem: "
+        "a contribution's bytes per parameter element; analytic: the compressor's "
+        "`encoded_bytes` over the model's tensors (dense: 4); measured: `put snapshot` "
+        "bytes per learner per round (one contribution each) / parameters per fragment, "
+        "payload header included. Commit upload: the closer's dense params + state "
+        "(momentum; empty for SparseLoCo) payloads (recorder), averaged over learners: "
+        "the part a `dense_every` would remove. `dense / this`: the dense reference's "
+        "bytes over this setting's (higher is smaller). computed / applied: commits "
+        "per learner per round computed from the contributions (SparseLoCo) / applied."
+        + _partial(args, any(x.result.partial for x in mine)),
+    )
+    rows: list[dict[str, Any]] = []
+    for x in mine:
+        r = x.result
+        commit = commit_upload(r.purposes)
+        rows.append(
+            {
+                "setting": x.setting.spec,
+                "label": x.setting.label,
+                "algorithm": x.setting.algorithm(args.sync_every, r.fragments).settings(),
+                **h.fields(r, "backend learners fragments params rounds seconds partial"),
+                "bytes_per_element_analytic": x.setting.bytes_per_element(x.numels),
+                "bytes_per_element_measured": _measured(x),
+                **h.fields(r, "up down up_by_kind down_by_kind"),
+                "commit_upload": commit,
+                "without_commit_upload": rest(x),
+                "dense_over_this": ref_total / total(x) if total(x) else None,
+                "dense_over_this_without_commit": ref_rest / rest(x) if rest(x) > 0 else None,
+                "computed": r.computed,
+                "applied": r.applied,
+                "bytes_by_purpose": r.purposes,
+                "skipped_syncs": r.skipped,
+                "errors": r.errors,
+            }
+        )
+
+    def sized(*prefixes: str) -> Any:
+        return lambda y: h.size(
+            sum(v for k, v in y.result.purposes.items() if k.startswith(prefixes))
+        )
+
+    h.spec_table(
+        report,
+        f"Where the bytes go, {config}: per learner per committed round (recorder)",
+        [
+            ("setting", lambda x: x.setting.label),
+            ("contribution up", sized("put snapshot [up]")),
+            ("contributions down", sized("get snapshot [down]")),
+            ("params up", sized("put params [up]")),
+            ("state up", sized("put momentum [up]")),
+            ("params down", sized("get params")),
+            ("state down", sized("get momentum")),
+            ("records (up+down)", lambda x: h.size(records(x.result.purposes))),
+        ],
+        mine,
+        "What each byte carried (`_recorder.py`): contributions (snapshots: dense "
+        "parameters or compressed pseudo-gradients), the closer's commit (params and "
+        "state payloads) and its downloads by the other learners, and the JSON records "
+        "(snapshots, claims, rounds, leases, manifest).",
+    )
+    return rows
 
 
 def build_compression_report(
@@ -599,122 +628,7 @@ def build_compression_report(
         groups.setdefault((r.backend, r.learners, r.fragments, r.params), []).append(x)
     for (backend, learners, fragments, params), mine in groups.items():
         config = f"{backend} L={learners} P={fragments} {params / 1e6:.2f}M params"
-        ref = next((x.result for x in mine if x.setting.compression is None), None)
-        ref_total = ref.up + ref.down if ref else float("nan")
-        ref_rest = ref_total - commit_upload(ref.purposes) if ref else float("nan")
-        table = report.table(
-            f"Per learner per committed round, {config} (sync_every={args.sync_every}, "
-            f"fake step {args.step_ms:g} ms)",
-            [
-                "setting",
-                "B/elem analytic",
-                "B/elem measured",
-                "up",
-                "down",
-                "up+down",
-                "dense / this",
-                "commit upload",
-                "without commit upload",
-                "dense / this (without)",
-                "computed / applied",
-                "rounds",
-            ],
-            note=(
-                "Bytes from `session.counters()` deltas over the measured window, every key "
-                "kind (blobs and JSON records), divided by learners x committed rounds. B/elem: "
-                "a contribution's bytes per parameter element; analytic: the compressor's "
-                "`encoded_bytes` over the model's tensors (dense: 4); measured: `put snapshot` "
-                "bytes per learner per round (one contribution each) / parameters per fragment, "
-                "payload header included. Commit upload: the closer's dense params + state "
-                "(momentum; empty for SparseLoCo) payloads (recorder), averaged over learners: "
-                "the part a `dense_every` would remove. `dense / this`: the dense reference's "
-                "bytes over this setting's (higher is smaller). computed / applied: commits "
-                "per learner per round computed from the contributions (SparseLoCo) / applied."
-                + (
-                    f" `*`: stopped at --max-seconds={args.max_seconds:g} before --rounds."
-                    if any(x.result.partial for x in mine)
-                    else ""
-                )
-            ),
-        )
-        for x in mine:
-            r = x.result
-            total = r.up + r.down
-            commit = commit_upload(r.purposes)
-            fragment_numel = r.params / r.fragments
-            analytic = x.setting.bytes_per_element(x.numels)
-            measured = r.purposes.get("put snapshot [up]", 0.0) / fragment_numel
-            table.add(
-                x.setting.label,
-                f"{analytic:.4f}",
-                f"{measured:.4f}",
-                h.size(r.up),
-                h.size(r.down),
-                h.size(total),
-                h.ratio(ref_total, total),
-                h.size(commit),
-                h.size(total - commit),
-                h.ratio(ref_rest, total - commit),
-                f"{r.computed:.2f} / {r.applied:.2f}",
-                f"{r.rounds}{'*' if r.partial else ''}",
-            )
-            rows_json.append(
-                {
-                    "setting": x.setting.spec,
-                    "label": x.setting.label,
-                    "algorithm": x.setting.algorithm(args.sync_every, r.fragments).settings(),
-                    "backend": r.backend,
-                    "learners": r.learners,
-                    "fragments": r.fragments,
-                    "params": r.params,
-                    "rounds": r.rounds,
-                    "seconds": r.seconds,
-                    "partial": r.partial,
-                    "bytes_per_element_analytic": analytic,
-                    "bytes_per_element_measured": measured,
-                    "up": r.up,
-                    "down": r.down,
-                    "up_by_kind": r.up_by_kind,
-                    "down_by_kind": r.down_by_kind,
-                    "commit_upload": commit,
-                    "without_commit_upload": total - commit,
-                    "dense_over_this": ref_total / total if total else None,
-                    "dense_over_this_without_commit": (
-                        ref_rest / (total - commit) if total > commit else None
-                    ),
-                    "computed": r.computed,
-                    "applied": r.applied,
-                    "bytes_by_purpose": r.purposes,
-                    "skipped_syncs": r.skipped,
-                    "errors": r.errors,
-                }
-            )
-
-        columns = {
-            "put snapshot [up]": "contribution up",
-            "get snapshot [down]": "contributions down",
-            "put params [up]": "params up",
-            "put momentum [up]": "state up",
-        }
-        table = report.table(
-            f"Where the bytes go, {config}: per learner per committed round (recorder)",
-            ["setting", *columns.values(), "params down", "state down", "records (up+down)"],
-            note=(
-                "What each byte carried (`_recorder.py`): contributions (snapshots: dense "
-                "parameters or compressed pseudo-gradients), the closer's commit (params and "
-                "state payloads) and its downloads by the other learners, and the JSON records "
-                "(snapshots, claims, rounds, leases, manifest)."
-            ),
-        )
-        for x in mine:
-            p = x.result.purposes
-            table.add(
-                x.setting.label,
-                *(h.size(p.get(k, 0.0)) for k in columns),
-                h.size(sum(v for k, v in p.items() if k.startswith("get params"))),
-                h.size(sum(v for k, v in p.items() if k.startswith("get momentum"))),
-                h.size(records(p)),
-            )
+        rows_json += _setting_tables(report, args, config, mine)
 
     for (params, learners, fragments), times in codecs.items():
         bare = times.step
@@ -746,15 +660,9 @@ def build_compression_report(
                 "training steps."
             ),
         )
-
-        labels: set[str] = set()
-        for x in runs:
-            if x.setting.label in labels:  # one row per setting (not per backend)
-                continue
-            labels.add(x.setting.label)
-            key = _codec_key(x.setting)
-            enc = times.encode.get(key)
-            dec = times.decode[key]
+        for setting in {x.setting.label: x.setting for x in runs}.values():  # once per setting
+            key = _codec_key(setting)
+            enc, dec = times.encode.get(key), times.decode[key]
             if enc is None:
                 per_round = dec.scaled(learners)
             else:
@@ -764,14 +672,14 @@ def build_compression_report(
                     enc.max + (learners + 1) * dec.max,
                     min(enc.n, dec.n),
                 )
-            encoded = (
-                4 * times.numel
-                if x.setting.compression is None
-                else x.setting.compression.encoded_bytes(times.numel)
-            )
+            compression = setting.compression
             table.add(
-                x.setting.label,
-                h.size(encoded),
+                setting.label,
+                h.size(
+                    4 * times.numel
+                    if compression is None
+                    else compression.encoded_bytes(times.numel)
+                ),
                 h.secs_range(enc) if enc else "-",
                 h.secs_range(dec),
                 _ratios(enc, bare) if enc else "-",
@@ -795,8 +703,7 @@ def build_compression_report(
             f"{r.backend} {x.setting.label}: {r.rounds} rounds in {r.seconds:.1f} s, "
             f"{r.skipped} due syncs skipped"
         )
-        for error in r.errors:
-            report.notes.append(f"ERROR {r.backend} {x.setting.label}: {error}")
+        report.notes.extend(f"ERROR {r.backend} {x.setting.label}: {e}" for e in r.errors)
     report.data = {"args": vars(args), "settings": rows_json}
     return report
 
@@ -824,83 +731,45 @@ def defaults(ctx: h.Context) -> argparse.Namespace:
 
 def run(ctx: h.Context) -> h.Report:
     args = ctx.options.get(NAME, {}).get("args") or defaults(ctx)
-    results: list[Result] = []
     workdir = ctx.workdir / f"rounds-{uuid.uuid4().hex[:6]}"
     workdir.mkdir(parents=True)
     if getattr(args, "compression", None):
         return run_compression(args, workdir)
+    results: list[Result] = []
     for backend in args.backends:
-        opener: Any = seaweedfs_target(workdir) if backend == "seaweedfs" else file_target(workdir)
-        with opener as target:
+        with target(backend, workdir, NAME) as store:
             for params, learners, fragments in itertools.product(
                 args.params, args.learners, args.fragments
             ):
-                results.append(Run(args, target, learners, fragments, params).execute())
-
+                results.append(Run(args, store, learners, fragments, params).execute())
     return build_report(results, args)
 
 
-# The command line's defaults: the suite's default preset, and the compression table's.
-CLASSIC = {
-    "backends": "seaweedfs,filesystem",
-    "learners": "2,4",
-    "fragments": "1,4",
-    "params": "10M",
-    "rounds": 8,
-    "warmup": 2,
-    "reps": 5,
-    "ref_steps": 100,
-    "max_seconds": 60.0,
-}
-COMPRESSION = {
-    "backends": "filesystem",
-    "learners": "3",
-    "fragments": "1",
-    "params": "3M",
-    "rounds": 12,
-    "warmup": 1,
-    "reps": 0,  # no raw put+get: the table compares bytes
-    "ref_steps": 0,  # the bare step is timed beside the codecs instead
-    "max_seconds": 45.0,
-}
+# The command line: flag, type, help; its default in the suite's default preset and with
+# --compression.
+OPTIONS: list[tuple[str, Any, str, Any, Any]] = [
+    ("backends", str, "seaweedfs, filesystem", "seaweedfs,filesystem", "filesystem"),
+    ("learners", str, "learner counts", "2,4", "3"),
+    ("fragments", str, "fragment counts", "1,4", "1"),
+    ("params", str, "model sizes, e.g. 10M,100M", "10M", "3M"),
+    ("rounds", int, "committed rounds measured", 8, 12),
+    ("warmup", int, "training rounds before measuring", 2, 1),
+    # --compression: no raw put+get (the table compares bytes), the bare step is timed
+    # beside the codecs instead
+    ("reps", int, "raw put+get repetitions", 5, 0),
+    ("ref_steps", int, "reference training steps", 100, 0),
+    ("max_seconds", float, "per configuration, then report partial", 60.0, 45.0),
+]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-
-    def both(key: str) -> str:
-        return f"default {CLASSIC[key]}; with --compression {COMPRESSION[key]}"
-
-    parser.add_argument("--backends", default=None, help=both("backends"))
-    parser.add_argument("--learners", default=None, help="learner counts: " + both("learners"))
-    parser.add_argument("--fragments", default=None, help="fragment counts: " + both("fragments"))
-    parser.add_argument(
-        "--params", default=None, help="model sizes, e.g. 10M,100M: " + both("params")
-    )
-    parser.add_argument(
-        "--rounds", type=int, default=None, help="committed rounds measured: " + both("rounds")
-    )
-    parser.add_argument(
-        "--warmup",
-        type=int,
-        default=None,
-        help="training rounds before measuring: " + both("warmup"),
-    )
+    for key, kind, text, classic, compressed in OPTIONS:
+        help_ = f"{text}: default {classic}; with --compression {compressed}"
+        parser.add_argument(f"--{key.replace('_', '-')}", type=kind, default=None, help=help_)
     parser.add_argument("--sync-every", type=int, default=8)
     parser.add_argument("--poll-interval", type=float, default=0.5, help="Session default: 0.5")
     parser.add_argument("--step-ms", type=float, default=5.0, help="sleep per fake step")
-    parser.add_argument(
-        "--reps", type=int, default=None, help="raw put+get repetitions: " + both("reps")
-    )
-    parser.add_argument(
-        "--ref-steps", type=int, default=None, help="reference training steps: " + both("ref_steps")
-    )
-    parser.add_argument(
-        "--max-seconds",
-        type=float,
-        default=None,
-        help="per configuration, then report partial: " + both("max_seconds"),
-    )
     parser.add_argument(
         "--compression",
         default=None,
@@ -920,10 +789,9 @@ def main() -> int:
     if args.compression_table and not args.compression:
         args.compression = "all"
     del args.compression_table
-    preset = COMPRESSION if args.compression else CLASSIC
-    for key, value in preset.items():
+    for key, _, _, classic, compressed in OPTIONS:
         if getattr(args, key) is None:
-            setattr(args, key, value)
+            setattr(args, key, compressed if args.compression else classic)
     if args.compression:
         try:
             args.compression = [s.spec for s in parse_settings(args.compression)]
@@ -932,8 +800,8 @@ def main() -> int:
     else:
         del args.compression, args.codec_reps  # the default run's record stays as it was
     args.params = [h.count(x) for x in args.params.split(",") if x.strip()]
-    args.learners = _ints(args.learners)
-    args.fragments = _ints(args.fragments)
+    args.learners = [int(x) for x in args.learners.split(",") if x.strip()]
+    args.fragments = [int(x) for x in args.fragments.split(",") if x.strip()]
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     unknown = set(args.backends) - {"seaweedfs", "filesystem"}
     if unknown:

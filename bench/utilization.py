@@ -1,40 +1,26 @@
 """Benchmark 9 — utilization: the fraction of wall time ``step()`` holds the training thread
 at a realistic step time, under each sync policy, and how many sync points contribute.
 
-4 learner processes (spawned; each its own ``gm.Session``, one torch thread) train a
-10M-parameter model (``_workload.build_model``: 8 square Linear layers, float32, one
-fragment) with a 50 ms training step and ``DiLoCo(sync_every=50)``, ``quorum_size=4``, on
-the filesystem mailbox and on SeaweedFS, once per policy:
+4 learner processes (each its own ``gm.Session``, one torch thread) train a 10M-parameter
+model (``_workload.build_model``, one fragment) with a 50 ms step and
+``DiLoCo(sync_every=50)``, ``quorum_size=4``, on the filesystem mailbox and on SeaweedFS,
+once per policy: ``overlap=0`` (the default: exact DiLoCo), ``overlap=5``, ``overlap=10``
+and ``free_running=True`` (a sync point whose previous round is in flight is skipped).
 
-- ``overlap=0`` (the default: ``step()`` waits at each sync point until its commit is
-  applied: exact DiLoCo), ``overlap=5`` and ``overlap=10`` (training runs on; ``step()``
-  waits only if the commit is not applied 5 or 10 steps later);
-- ``free_running=True`` (the old behaviour: a sync point whose previous round is still in
-  flight is skipped), with its skipped sync points and effective inner steps per
-  contribution.
+The step is simulated so that 4 learners fit on 2 cores: a deterministic in-place update of
+a rotating window of 65,536 elements of every parameter tensor (the snapshots differ, the
+payloads are real), then a sleep for the rest of the 50 ms, leaving the CPU to the Session's
+threads as a GPU step would. Measured per learner over the training loop (after all met at
+a ``gm.Barrier``; ``close()`` timed apart): wall time, time inside ``step()``,
+``Counters.waited_s`` and ``waits``, sync points reached vs contributed, commit lag, each
+contribution's round trip from its sync point to its commit applied, the calls that copy
+out or apply without waiting, CPU time. Reference: the bare loop, the same steps without a
+Session in the same processes, all at once, before they join. The loop runs ``periods``
+sync periods plus half a period, so the last commit falls inside it under every policy.
 
-The 50 ms step is simulated, honestly, so that 4 learners fit on 2 cores: each step adds a
-small deterministic perturbation in place to a window of 65,536 elements of every parameter
-tensor (about 1M of the 10M parameters per step, every parameter within a sync period, so
-the snapshots differ and the payloads are real), then sleeps 50 ms minus what that update
-cost. A step therefore lasts max(50 ms, update) of wall time and leaves the CPU to the
-Session's background threads (publish, close, combine, download), as a GPU step would.
-
-Measured per learner, over the training loop (after every learner joined and met at a
-``gm.Barrier``, up to the end of the last step; ``close()`` is timed apart): the loop's wall
-time; the time inside ``step()`` (``perf_counter`` around each call); ``Counters.waited_s``
-and ``waits``; sync points reached vs contributed; commit lag (``Applied.lag_s``); where
-the waiting comes from: each contribution's round trip from its sync point to its commit
-applied (and the publish within it), the ``step()`` calls that copy out or apply without
-waiting, and the process's CPU time (all threads). The
-reference is the bare loop: the same steps without a Session, run in the same processes at
-the same time before they join. Reported (median over learners, min–max): ``step() wait
-fraction = time in step() / loop wall time`` and the loop's wall time over the bare loop's.
-
-The loop runs ``periods`` sync periods plus half a period, so the last sync point's commit
-falls inside the loop under every policy. Targets (reported, never asserted): < 5% of the
-wall time in ``step()`` under the default policy (INTELLECT-1 and OpenDiLoCo report 90–96%
-compute utilization); 100% of sync points contributing under the waiting policies.
+Targets (reported, never asserted): < 5% of the wall time in ``step()`` under the default
+policy (INTELLECT-1 and OpenDiLoCo report 90–96% compute utilization); 100% of sync points
+contributing under the waiting policies.
 """
 
 from __future__ import annotations
@@ -42,9 +28,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,28 +127,23 @@ def _learner(
 def _learn(
     index: int, config: Config, tasks: list[tuple[str, gm.Mailbox]], barrier: Any, queue: Any
 ) -> None:
-    # Four processes on two cores: one intra-op thread each.
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # four processes on two cores
     model = build_model(config.params)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     work = _Work(model, index, config)
 
     # The reference: the same steps without a Session, all learners at once.
     barrier.wait(timeout=config.timeout)
-    updates = []
-    cpu_from = time.process_time()
-    start = time.perf_counter()
-    for number in range(config.steps):
-        updates.append(work.step(number))
-    wall = time.perf_counter() - start
-    cpu = time.process_time() - cpu_from
+    cpu_from, start = time.process_time(), time.perf_counter()
+    updates = [work.step(number) for number in range(config.steps)]
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_from
     queue.put(
         {
             "index": index,
             "phase": "bare",
             "wall_s": wall,
             "cpu_s": cpu,
-            "update_s": h.Stats.of(updates).median,
+            "update_s": h.median(updates),
             "update_max_s": max(updates),
         }
     )
@@ -181,13 +162,7 @@ def _policy(
     config: Config,
     queue: Any,
 ) -> dict[str, Any]:
-    events: list[tuple[float, ev.Event]] = []
-    lock = threading.Lock()
-
-    def on_event(event: ev.Event) -> None:
-        with lock:
-            events.append((time.monotonic(), event))
-
+    events = _procs.Events()
     learner_id = f"learner-{index}"
     started = time.perf_counter()
     session = gm.Session(
@@ -197,7 +172,7 @@ def _policy(
         learner_id=learner_id,
         quorum_size=config.learners,
         poll_interval=config.poll_interval,
-        on_event=on_event,
+        on_event=events,
         **POLICIES[policy],
     )
     join_s = time.perf_counter() - started
@@ -206,8 +181,7 @@ def _policy(
         gm.Barrier(mailbox=mailbox, learner_id=learner_id, poll_interval=0.05).wait(
             "utilization-start", parties=config.learners, timeout=config.timeout
         )
-        in_step = 0.0
-        longest = 0.0
+        in_step = longest = 0.0
         updates = []
         inner: list[int] = []  # local steps each contribution covered
         calls: list[tuple[int, float, bool]] = []  # (step, seconds, applied a commit)
@@ -216,9 +190,7 @@ def _policy(
         open_rounds: deque[tuple[int, float]] = deque()  # handed over, not yet applied
         round_trip: list[float] = []  # sync point -> its commit applied, as training sees it
         before = session.counters()
-        loop_from = time.monotonic()
-        cpu_from = time.process_time()
-        start = time.perf_counter()
+        loop_from, cpu_from, start = time.monotonic(), time.process_time(), time.perf_counter()
         for number in range(config.steps):
             updates.append(work.step(number))
             rounds = session.rounds[0]
@@ -249,8 +221,7 @@ def _policy(
                     queue.put({"progress": f"{policy}: step {session.steps}/{config.steps}"})
             while open_rounds and open_rounds[0][0] <= now:
                 round_trip.append(time.monotonic() - open_rounds.popleft()[1])
-        wall = time.perf_counter() - start
-        cpu = time.process_time() - cpu_from
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu_from
         loop_to = time.monotonic()
         loop = session.counters()
         rounds_in_loop = session.rounds[0]
@@ -258,17 +229,9 @@ def _policy(
         session.close(timeout=config.timeout)
         close_s = time.perf_counter() - t
     final = session.counters()
-    with lock:
-        seen = list(events)
-    lags = [e.lag_s for _, e in seen if isinstance(e, ev.Applied) and e.contributed]
-    waited = [(at, e) for at, e in seen if isinstance(e, ev.SyncWaited)]
-    waits = [e.seconds for at, e in waited if loop_from <= at <= loop_to]
+    waited = events.of(ev.SyncWaited)
     wait_steps = {e.step for _, e in waited}
-    published = {e.round: at for at, e in seen if isinstance(e, ev.Published)}
-    publish = [published[r] - at for r, at in handed if r in published]
-    failures = [
-        repr(e) for _, e in seen if isinstance(e, ev.PollFailed | ev.PublishFailed | ev.RoundFailed)
-    ]
+    published = {e.round: at for at, e in events.of(ev.Published)}
     return {
         "index": index,
         "phase": policy,
@@ -277,18 +240,18 @@ def _policy(
         "cpu_s": cpu,
         "in_step_s": in_step,
         "longest_step_s": longest,
-        "update_s": h.Stats.of(updates).median,
+        "update_s": h.median(updates),
         "waited_s": loop.waited_s,
         "waits": loop.waits,
         "wait_timeouts": loop.wait_timeouts,
-        "wait_s": waits,
+        "wait_s": [e.seconds for at, e in waited if loop_from <= at <= loop_to],
         "sync_points": loop.sync_points,
         "skipped_syncs": loop.skipped_syncs,
         "contributed": loop.sync_points - loop.skipped_syncs,
         "inner_steps": inner,
-        "lag_s": lags,
+        "lag_s": [e.lag_s for _, e in events.of(ev.Applied) if e.contributed],
         "round_trip_s": round_trip,
-        "publish_s": publish,
+        "publish_s": [published[r] - at for r, at in handed if r in published],
         # step() calls that did not wait: copying the due fragment out, applying a commit.
         "copy_out_s": [
             took
@@ -302,7 +265,7 @@ def _policy(
         "published_final": final.published,
         "sync_points_final": final.sync_points,
         "skipped_final": final.skipped_syncs,
-        "failures": failures[:20],
+        "failures": events.failures()[:20],
     }
 
 
@@ -349,14 +312,6 @@ def run_backend(ctx: h.Context, config: Config, backend: str) -> dict[str, Any]:
 # -- the report ------------------------------------------------------------------------------
 
 
-def _pct(st: h.Stats) -> str:
-    return h.spread(st, lambda v: f"{100 * v:.1f}", "%")
-
-
-def _num(st: h.Stats, digits: int = 0, suffix: str = "") -> str:
-    return h.spread(st, lambda v: f"{v:.{digits}f}", suffix)
-
-
 def summarize(config: Config, runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
     """Per backend and policy: the statistics over learners the tables show."""
     out: dict[str, Any] = {}
@@ -373,24 +328,29 @@ def summarize(config: Config, runs: dict[str, dict[str, list[dict[str, Any]]]]) 
         }
         for policy in config.policies:
             learners = phases[policy]
-            fraction = [x["in_step_s"] / x["wall_s"] for x in learners]
-            waited = [x["waited_s"] / x["wall_s"] for x in learners]
-            outside = [(x["in_step_s"] - x["waited_s"]) / x["wall_s"] for x in learners]
-            ratio = [x["wall_s"] / b for x, b in zip(learners, bare_wall, strict=True)]
-            inner = [s for x in learners for s in x["inner_steps"]]
-            lags = [s for x in learners for s in x["lag_s"]]
+
+            def each(value: Callable[[dict[str, Any]], float]) -> dict[str, Any]:
+                return h.Stats.of(value(x) for x in learners).__dict__  # noqa: B023
+
+            def pooled(key: str) -> dict[str, Any]:
+                return h.Stats.of(s for x in learners for s in x[key]).__dict__  # noqa: B023
+
             reached = sum(x["sync_points"] for x in learners)
             contributed = sum(x["contributed"] for x in learners)
             row[policy] = {
-                "wall_s": h.Stats.of(x["wall_s"] for x in learners).__dict__,
-                "wall_over_bare": h.Stats.of(ratio).__dict__,
-                "in_step_s": h.Stats.of(x["in_step_s"] for x in learners).__dict__,
-                "step_fraction": h.Stats.of(fraction).__dict__,
-                "waited_fraction": h.Stats.of(waited).__dict__,
-                "step_outside_waits_fraction": h.Stats.of(outside).__dict__,
-                "waits": h.Stats.of(x["waits"] for x in learners).__dict__,
+                "wall_s": each(lambda x: x["wall_s"]),
+                "wall_over_bare": h.Stats.of(
+                    x["wall_s"] / b for x, b in zip(learners, bare_wall, strict=True)
+                ).__dict__,
+                "in_step_s": each(lambda x: x["in_step_s"]),
+                "step_fraction": each(lambda x: x["in_step_s"] / x["wall_s"]),
+                "waited_fraction": each(lambda x: x["waited_s"] / x["wall_s"]),
+                "step_outside_waits_fraction": each(
+                    lambda x: (x["in_step_s"] - x["waited_s"]) / x["wall_s"]
+                ),
+                "waits": each(lambda x: x["waits"]),
                 "wait_timeouts": sum(x["wait_timeouts"] for x in learners),
-                "single_wait_s": h.Stats.of(s for x in learners for s in x["wait_s"]).__dict__,
+                "single_wait_s": pooled("wait_s"),
                 "longest_step_s": max(x["longest_step_s"] for x in learners),
                 "sync_points": reached,
                 "contributed": contributed,
@@ -401,25 +361,73 @@ def summarize(config: Config, runs: dict[str, dict[str, list[dict[str, Any]]]]) 
                 "effective_inner_steps": (
                     config.sync_every * reached / contributed if contributed else math.nan
                 ),
-                "inner_steps": h.Stats.of(inner).__dict__,
-                "lag_s": h.Stats.of(lags).__dict__,
-                "round_trip_s": h.Stats.of(s for x in learners for s in x["round_trip_s"]).__dict__,
-                "publish_s": h.Stats.of(s for x in learners for s in x["publish_s"]).__dict__,
-                "copy_out_s": h.Stats.of(s for x in learners for s in x["copy_out_s"]).__dict__,
-                "apply_s": h.Stats.of(s for x in learners for s in x["apply_s"]).__dict__,
-                "cpu_cores": h.Stats.of(x["cpu_s"] / x["wall_s"] for x in learners).__dict__,
-                "rounds_in_loop": h.Stats.of(x["rounds_in_loop"] for x in learners).__dict__,
+                **{k: pooled(k) for k in ("inner_steps", "lag_s", "round_trip_s")},
+                **{k: pooled(k) for k in ("publish_s", "copy_out_s", "apply_s")},
+                "cpu_cores": each(lambda x: x["cpu_s"] / x["wall_s"]),
+                "rounds_in_loop": each(lambda x: x["rounds_in_loop"]),
                 "rounds_final": max(x["rounds_final"] for x in learners),
-                "close_s": h.Stats.of(x["close_s"] for x in learners).__dict__,
-                "join_s": h.Stats.of(x["join_s"] for x in learners).__dict__,
+                "close_s": each(lambda x: x["close_s"]),
+                "join_s": each(lambda x: x["join_s"]),
                 "failures": sum(len(x["failures"]) for x in learners),
             }
         out[backend] = row
     return out
 
 
-def _stats(d: dict[str, Any]) -> h.Stats:
-    return h.Stats(**d)
+def _st(r: dict[str, Any], key: str) -> h.Stats:
+    return h.Stats(**r[key])
+
+
+def _pct(st: h.Stats) -> str:
+    return h.spread(st, lambda v: f"{100 * v:.1f}", "%")
+
+
+def _inner(r: dict[str, Any]) -> str:
+    inner = _st(r, "inner_steps")
+    each = f"(each {inner.min:.0f}–{inner.max:.0f})"
+    return "-" if inner.n == 0 else f"{r['effective_inner_steps']:.1f} {each}"
+
+
+Column = tuple[str, Callable[[dict[str, Any]], object]]
+# Per policy row after (mailbox, policy): (header, cell from the policy's summary).
+WAITING: list[Column] = [
+    ("loop wall time", lambda r: h.secs_range(_st(r, "wall_s"))),
+    ("wall / bare loop", lambda r: h.spread(_st(r, "wall_over_bare"), lambda v: f"{v:.2f}", "x")),
+    ("step() wait fraction", lambda r: _pct(_st(r, "step_fraction"))),
+    ("of which waiting (waited_s)", lambda r: _pct(_st(r, "waited_fraction"))),
+    ("step() outside waits", lambda r: _pct(_st(r, "step_outside_waits_fraction"))),
+    ("waits per learner", lambda r: h.spread(_st(r, "waits"))),
+    ("single wait", lambda r: h.secs_range(_st(r, "single_wait_s"))),
+    ("longest step()", lambda r: h.secs(r["longest_step_s"])),
+]
+SYNCS: list[Column] = [
+    ("sync points reached", lambda r: r["sync_points"]),
+    ("contributed", lambda r: r["contributed"]),
+    ("contributing", lambda r: h.pct(r["contributed"], r["sync_points"])),
+    ("skipped", lambda r: r["skipped"]),
+    ("wait timeouts", lambda r: r["wait_timeouts"]),
+    ("inner steps per contribution", _inner),
+    ("commit lag", lambda r: h.secs_range(_st(r, "lag_s"))),
+    ("rounds committed (loop end / after close)",
+     lambda r: f"{_st(r, 'rounds_in_loop').median:.0f} / {r['rounds_final']}"),
+    ("close()", lambda r: h.secs_range(_st(r, "close_s"))),
+]  # fmt: skip
+
+
+def _trips(step_s: float) -> list[Column]:
+    def in_steps(r: dict[str, Any]) -> str:
+        trip = _st(r, "round_trip_s")
+        return "-" if trip.n == 0 else f"{trip.median / step_s:.0f}"
+
+    return [
+        ("sync point -> commit applied", lambda r: h.secs_range(_st(r, "round_trip_s"))),
+        ("of which publishing", lambda r: h.secs_range(_st(r, "publish_s"))),
+        ("in steps", in_steps),
+        ("copy-out call", lambda r: h.secs_range(_st(r, "copy_out_s"))),
+        ("apply call", lambda r: h.secs_range(_st(r, "apply_s"))),
+        ("CPU per learner (all threads)",
+         lambda r: h.spread(_st(r, "cpu_cores"), lambda v: f"{v:.2f}", " cores")),
+    ]  # fmt: skip
 
 
 def run(ctx: h.Context) -> h.Report:
@@ -448,162 +456,66 @@ def run(ctx: h.Context) -> h.Report:
         f"quorum_size={config.learners}, {config.steps} steps ({config.periods} sync points "
         f"+ {config.tail_steps} steps)"
     )
-    simulated = (
+    notes = [
+        "step() wait fraction = time inside step() (perf_counter around each call) / "
+        "the loop's wall time; waited_s is Counters.waited_s (the training thread held "
+        "for a commit); outside waits: copying the due fragment out and applying "
+        "commits. The bare loop runs the same steps without a Session, in the same "
+        "processes, all learners at once, before they join. "
         f"The {config.step_ms:g} ms step is simulated: an in-place update of "
         f"{config.window:,} elements of every parameter tensor (a rotating window, distinct "
         "per learner), then a sleep for the rest of the step, so 4 learners fit on 2 cores "
-        "and the CPU is left to the Session's threads, as a GPU step would leave it."
-    )
-    table = report.table(
+        "and the CPU is left to the Session's threads, as a GPU step would leave it.",
+        "Sync points and contributions: totals over learners, inside the loop (close() "
+        "then contributes the tail). Inner steps per contribution: sync_every x sync "
+        "points reached / contributed (a skipped sync point's steps go into a later "
+        "contribution), and the min–max of the local steps each contribution in the "
+        f"loop covered (Counters.last_inner_steps); sync_every is {config.sync_every}. "
+        "Commit lag: Applied.lag_s, publish to applied, median (min–max) over (learner, "
+        "round). Rounds: median over learners at the end of the loop / the newest after "
+        "close().",
+        "Sync point -> commit applied: from the start of the step() call that handed the "
+        "fragment over to the end of the call that applied its commit, as the training "
+        "thread sees it (median, min–max over contributions in the loop); publishing: "
+        "to the Published event (hash + upload of the snapshot and its record); in "
+        f"steps: the median round trip over the {config.step_ms:g} ms step, the overlap "
+        "that would hide it. Copy-out and apply calls: step() calls at a sync point or "
+        "applying a commit without waiting. CPU: the process's CPU time over the loop "
+        "(training thread and the Session's threads) per second of wall time; the bare "
+        "loop's beside the mailbox name.",
+    ]
+    titles = [
         f"Training-thread time in step(): {what} (median over learners, min–max)",
-        [
-            "mailbox",
-            "policy",
-            "loop wall time",
-            "wall / bare loop",
-            "step() wait fraction",
-            "of which waiting (waited_s)",
-            "step() outside waits",
-            "waits per learner",
-            "single wait",
-            "longest step()",
-        ],
-        note=(
-            "step() wait fraction = time inside step() (perf_counter around each call) / "
-            "the loop's wall time; waited_s is Counters.waited_s (the training thread held "
-            "for a commit); outside waits: copying the due fragment out and applying "
-            "commits. The bare loop runs the same steps without a Session, in the same "
-            "processes, all learners at once, before they join. " + simulated
-        ),
-    )
-    for backend, row in summary.items():
-        bare = _stats(row["bare"]["wall_s"])
-        table.add(backend, "bare loop (no Session)", h.secs_range(bare), "1.00x", *["-"] * 6)
-        for policy in config.policies:
-            r = row[policy]
-            label = f"{policy} (default)" if policy == DEFAULT_POLICY else policy
-            table.add(
-                backend,
-                label,
-                h.secs_range(_stats(r["wall_s"])),
-                _num(_stats(r["wall_over_bare"]), 2, "x"),
-                _pct(_stats(r["step_fraction"])),
-                _pct(_stats(r["waited_fraction"])),
-                _pct(_stats(r["step_outside_waits_fraction"])),
-                _num(_stats(r["waits"])),
-                h.secs_range(_stats(r["single_wait_s"])),
-                h.secs(r["longest_step_s"]),
-            )
-
-    table = report.table(
         f"Sync points and commits: {what}",
-        [
-            "mailbox",
-            "policy",
-            "sync points reached",
-            "contributed",
-            "contributing",
-            "skipped",
-            "wait timeouts",
-            "inner steps per contribution",
-            "commit lag",
-            "rounds committed (loop end / after close)",
-            "close()",
-        ],
-        note=(
-            "Sync points and contributions: totals over learners, inside the loop (close() "
-            "then contributes the tail). Inner steps per contribution: sync_every x sync "
-            "points reached / contributed (a skipped sync point's steps go into a later "
-            "contribution), and the min–max of the local steps each contribution in the "
-            f"loop covered (Counters.last_inner_steps); sync_every is {config.sync_every}. "
-            "Commit lag: Applied.lag_s, "
-            "publish to applied, median (min–max) over (learner, round). Rounds: median "
-            "over learners at the end of the loop / the newest after close()."
-        ),
-    )
-    for backend, row in summary.items():
-        for policy in config.policies:
-            r = row[policy]
-            inner = _stats(r["inner_steps"])
-            label = f"{policy} (default)" if policy == DEFAULT_POLICY else policy
-            table.add(
-                backend,
-                label,
-                r["sync_points"],
-                r["contributed"],
-                h.pct(r["contributed"], r["sync_points"]),
-                r["skipped"],
-                r["wait_timeouts"],
-                (
-                    "-"
-                    if inner.n == 0
-                    else f"{r['effective_inner_steps']:.1f} (each {inner.min:.0f}–{inner.max:.0f})"
-                ),
-                h.secs_range(_stats(r["lag_s"])),
-                f"{_stats(r['rounds_in_loop']).median:.0f} / {r['rounds_final']}",
-                h.secs_range(_stats(r["close_s"])),
-            )
-
-    step_s = config.step_ms / 1000
-    table = report.table(
         "Where the waiting comes from: the round trip of a contribution, and step() calls "
         "that did not wait",
-        [
-            "mailbox",
-            "policy",
-            "sync point -> commit applied",
-            "of which publishing",
-            "in steps",
-            "copy-out call",
-            "apply call",
-            "CPU per learner (all threads)",
-        ],
-        note=(
-            "Sync point -> commit applied: from the start of the step() call that handed the "
-            "fragment over to the end of the call that applied its commit, as the training "
-            "thread sees it (median, min–max over contributions in the loop); publishing: "
-            "to the Published event (hash + upload of the snapshot and its record); in "
-            f"steps: the median round trip over the {config.step_ms:g} ms step, the overlap "
-            "that would hide it. Copy-out and apply calls: step() calls at a sync point or "
-            "applying a commit without waiting. CPU: the process's CPU time over the loop "
-            "(training thread and the Session's threads) per second of wall time; the bare "
-            "loop's beside the mailbox name."
-        ),
-    )
-    for backend, row in summary.items():
-        bare_cpu = _stats(row["bare"]["cpu_cores"])
-        for policy in config.policies:
-            r = row[policy]
-            trip = _stats(r["round_trip_s"])
-            label = f"{policy} (default)" if policy == DEFAULT_POLICY else policy
-            table.add(
-                f"{backend} (bare loop {bare_cpu.median:.2f} cores)",
-                label,
-                h.secs_range(trip),
-                h.secs_range(_stats(r["publish_s"])),
-                "-" if trip.n == 0 else f"{trip.median / step_s:.0f}",
-                h.secs_range(_stats(r["copy_out_s"])),
-                h.secs_range(_stats(r["apply_s"])),
-                _num(_stats(r["cpu_cores"]), 2, " cores"),
-            )
+    ]
+    specs = [WAITING, SYNCS, _trips(config.step_ms / 1000)]
+    for i, (title, columns, note) in enumerate(zip(titles, specs, notes, strict=True)):
+        table = report.table(title, ["mailbox", "policy", *(c for c, _ in columns)], note)
+        for backend, row in summary.items():
+            mailbox = backend
+            if i == 0:  # the reference's row
+                bare = h.secs_range(_st(row["bare"], "wall_s"))
+                table.add(backend, "bare loop (no Session)", bare, "1.00x", *["-"] * 6)
+            if i == 2:
+                mailbox += f" (bare loop {_st(row['bare'], 'cpu_cores').median:.2f} cores)"
+            for policy in config.policies:
+                label = f"{policy} (default)" if policy == DEFAULT_POLICY else policy
+                table.add(mailbox, label, *(cell(row[policy]) for _, cell in columns))
 
     for backend in config.backends:
+        name = f"step() wait fraction, {DEFAULT_POLICY} (default), {backend}"
         if backend not in summary:
-            report.target(
-                f"step() wait fraction, {DEFAULT_POLICY} (default), {backend}",
-                "not measured",
-                "< 5%",
-                None,
-                errors.get(backend, ""),
-            )
+            report.target(name, "not measured", "< 5%", None, errors.get(backend, ""))
             continue
         row = summary[backend]
         if DEFAULT_POLICY in row:
-            st = _stats(row[DEFAULT_POLICY]["step_fraction"])
-            waited = _stats(row[DEFAULT_POLICY]["waited_fraction"])
+            st = _st(row[DEFAULT_POLICY], "step_fraction")
+            waited = _pct(_st(row[DEFAULT_POLICY], "waited_fraction"))
             report.target(
-                f"step() wait fraction, {DEFAULT_POLICY} (default), {backend}",
-                f"{_pct(st)} median over learners (min–max); waiting for commits {_pct(waited)}",
+                name,
+                f"{_pct(st)} median over learners (min–max); waiting for commits {waited}",
                 "< 5% (INTELLECT-1, OpenDiLoCo: 90–96% compute utilization)",
                 st.median < 0.05,
             )
@@ -624,7 +536,7 @@ def run(ctx: h.Context) -> h.Report:
                 f"skipped; effective inner steps per contribution {r['effective_inner_steps']:.1f} "
                 f"(sync_every {config.sync_every})"
             )
-        update = _stats(row["bare"]["update_s"])
+        update = _st(row["bare"], "update_s")
         report.notes.append(
             f"{backend}: the simulated step's parameter update took {h.secs(update.median)} "
             f"median ({h.secs(row['bare']['update_max_s'])} at most) of its "

@@ -14,7 +14,8 @@ Subcommands, one file each:
 - ``sweep`` and ``rm`` (``housekeeping.py``): deleting, after a confirmation.
 - ``demo`` (``demo.py``): the bare mailbox coordination, without training.
 
-``__main__.py`` makes ``python -m gradientmail.cli`` the command. ``_common.py`` opens URLs
+``__main__.py`` makes ``python -m gradientmail.cli`` the command; a command imports only its
+own file (``status`` starts without pydantic, yaml or torch). ``_common.py`` opens URLs
 with clear errors (bad URL, unreachable store, empty or foreign prefix) and bounded waits
 (``--store-timeout``). Exit status: 0 ok, 1 failed, 2 bad usage (URL, flag, spec file), 130
 on Ctrl-C.
@@ -27,6 +28,8 @@ their query decoded (``endpoint=http://host:9000``).
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import os
 import sys
 import traceback
@@ -34,7 +37,6 @@ from collections.abc import Callable, Sequence
 
 from rich.console import Console
 
-from gradientmail.cli import demo, housekeeping, run, table, tools
 from gradientmail.cli._common import (
     DEFAULT_STORE_TIMEOUT,
     STORE_TIMEOUT_ENV,
@@ -47,19 +49,47 @@ from gradientmail.errors import MailboxError
 
 __all__ = ["main"]
 
+# Each subcommand's module (gradientmail.cli.<module>), with the function that adds its
+# parser(s) and the commands it handles. A command imports only its own module: `status`,
+# `sweep`, `rm` and `demo` never load `run`'s spec models (pydantic, yaml) nor torch
+# (`align` and `verify` import torch when they run). --help and the tests build them all.
+_MODULES: dict[str, tuple[str, dict[str, str]]] = {
+    "run": ("add_parser", {"run": "run_command"}),
+    "table": ("add_parser", {"status": "run_status"}),
+    "tools": ("add_parsers", {"align": "run_align", "verify": "run_verify"}),
+    "housekeeping": ("add_parsers", {"sweep": "run_sweep", "rm": "run_rm"}),
+    "demo": ("add_parser", {"demo": "run", "_demo-node": "run"}),
+}
+
+# `run` imports these when it runs: a missing one is named when the command starts, as a
+# missing `rich` is (gradientmail/_command.py), not as a traceback from inside `run`.
+for _extra in ("yaml", "pydantic"):
+    if importlib.util.find_spec(_extra) is None:
+        raise ModuleNotFoundError(f"No module named {_extra!r}", name=_extra)
+
+
+def _module(name: str) -> object:
+    return importlib.import_module(f"gradientmail.cli.{name}")
+
+
+def _handler(module: str, function: str) -> Callable[[argparse.Namespace], int]:
+    def handle(args: argparse.Namespace) -> int:
+        found: Callable[[argparse.Namespace], int] = getattr(_module(module), function)
+        return found(args)
+
+    return handle
+
+
 _HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "run": run.run_command,
-    "status": table.run_status,
-    "align": tools.run_align,
-    "verify": tools.run_verify,
-    "sweep": housekeeping.run_sweep,
-    "rm": housekeeping.run_rm,
-    "demo": demo.run,
-    "_demo-node": demo.run,
+    command: _handler(module, function)
+    for module, (_, handlers) in _MODULES.items()
+    for command, function in handlers.items()
 }
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(only: str | None = None) -> argparse.ArgumentParser:
+    """Every subcommand's parser; with ``only`` (a command), that one's in full and the
+    others as bare names (their modules stay unimported)."""
     parser = argparse.ArgumentParser(
         prog="gradientmail",
         description="Distributed training whose nodes never connect: they meet in a mailbox "
@@ -71,11 +101,12 @@ def _parser() -> argparse.ArgumentParser:
 
     parser.add_argument("--version", action="version", version=f"gradientmail {__version__}")
     sub = parser.add_subparsers(dest="subcommand", required=True, metavar="COMMAND")
-    run.add_parser(sub)
-    table.add_parser(sub)
-    tools.add_parsers(sub)
-    housekeeping.add_parsers(sub)
-    demo.add_parser(sub)
+    for module, (add, handlers) in _MODULES.items():
+        if only is None or only in handlers:
+            getattr(_module(module), add)(sub)
+        else:
+            for name in handlers:
+                sub.add_parser(name)
     for command in sub.choices.values():
         _add_common_options(command)
     return parser
@@ -115,7 +146,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "--" in words:  # `gradientmail run [options] -- COMMAND ...`
         cut = words.index("--")
         words, command = words[:cut], words[cut + 1 :]
-    parser = _parser()
+    # Top-level options take no value: the first other word names the command.
+    first = next((word for word in words if not word.startswith("-")), None)
+    parser = _parser(first if first in _HANDLERS else None)
     args = parser.parse_args(words)
     if command and args.subcommand != "run":
         parser.error(f"only `gradientmail run` takes a command after --, not {args.subcommand}")

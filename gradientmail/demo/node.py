@@ -4,7 +4,10 @@
 without a command of its own. It opens its :class:`~gradientmail.Session`, waits at the
 ``start`` barrier until every node of the run has joined (so no node trains ahead while
 another is still importing torch), trains for ``GRADIENTMAIL_STEPS`` steps, leaves the
-session and waits at the ``done`` barrier. Its Session runs the run's algorithm
+session and waits at the ``done`` barrier. A run that declares a barrier ``step-N``
+(``spec.barriers``, ``GRADIENTMAIL_BARRIERS``) holds its nodes there right after step ``N``
+until every party arrived: nodes lined up at a step, e.g. for a look at the run in the
+middle of training. Its Session runs the run's algorithm
 (``GRADIENTMAIL_ALGORITHM``: DiLoCo, or Moshpit's group rounds; the rest is the same for
 both). What it trains is its *task* (``GRADIENTMAIL_TASK``):
 
@@ -180,6 +183,13 @@ def _start(env: NodeEnv, barrier: Barrier, resumed: int) -> None:
         print(f"{env.learner_id}: joined, training {env.steps} steps", flush=True)
 
 
+def _hold(env: NodeEnv, barrier: Barrier, step: int) -> None:
+    """Wait at the barrier ``step-{step}`` when the run declares one (module docstring)."""
+    name = f"step-{step}"
+    if name in env.barriers:
+        barrier.wait(name, parties=env.parties(name))
+
+
 def _synthetic(env: NodeEnv, box: Mailbox, barrier: Barrier) -> None:
     import torch
 
@@ -200,6 +210,7 @@ def _synthetic(env: NodeEnv, box: Mailbox, barrier: Barrier) -> None:
             loss.backward()  # type: ignore[no-untyped-call]
             optimizer.step()
             session.step(samples=len(x))
+            _hold(env, barrier, step)
             if step % max(1, env.steps // 10) == 0 or step == env.steps:
                 print(
                     f"{env.learner_id}: step {step} loss {loss.item():.4f} rounds "
@@ -227,6 +238,7 @@ def _language_model(env: NodeEnv, box: Mailbox, barrier: Barrier, s: LmSettings)
             lr = lm.lr_at(step, env.steps, s.lr)
             losses.append(lm.train_step(model, optimizer, batches.next(), lr))
             session.step(samples=s.batch)
+            _hold(env, barrier, step)
             if step % every == 0 or step == env.steps:
                 val_text = f" val {lm.evaluate(model, val):.4f}" if local_curve else ""
                 print(

@@ -516,7 +516,10 @@ class GradientMailRunSpec(_Model):
     template: PodTemplate = Field(default_factory=PodTemplate)
     mailbox: MailboxSpec
     barriers: dict[str, Annotated[int, Field(ge=1)]] = Field(
-        default_factory=dict, description="Barrier name → parties (default parties = nodes)."
+        default_factory=dict,
+        description="Barrier name → parties (default parties = nodes). The built-in node "
+        "waits at start (before training), done (after it) and at any step-N declared here "
+        "(right after step N).",
     )
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
     max_restarts: int = Field(default=3, ge=0, description="Failed pods replaced, run-wide.")

@@ -1,9 +1,10 @@
 """The host-memory benchmark's code path in quick mode, so that it cannot rot.
 
-``python -m bench memory --quick``: a 2M-parameter model, 1 and 4 fragments, 2 learner
-processes on the filesystem mailbox, and the training-alone reference. Only the structure
-is asserted, never the numbers: a row per configuration, positive peaks, the ledger's
-breakdown keys present (whether or not the purposes read zero), the record serializable.
+``python -m bench memory --quick`` with fewer sync periods: a 2M-parameter model, 1 and 4
+fragments, 2 learner processes on the filesystem mailbox, and the training-alone reference.
+Only the structure is asserted, never the numbers: a row per configuration, positive peaks,
+the ledger's breakdown keys present (whether or not the purposes read zero), the record
+serializable.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from bench import _memory_report, memory
 
 @pytest.mark.timeout(900)  # a bound on a hang, not a speed: loaded CI machines are slow
 def test_memory_benchmark_reports_every_configuration(tmp_path: Path) -> None:
-    # A hang fails within minutes, with every learner's stacks on stderr.
-    ctx = h.Context(quick=True, large=False, workdir=tmp_path, options={"memory": {"stall_s": 150}})
+    # A hang fails within minutes, with every learner's stacks on stderr. Four sync periods
+    # (quick: 10) are enough to fill every column: growth compares period 2 with the last.
+    options = {"memory": {"stall_s": 150, "periods": 4, "growth_from": 2}}
+    ctx = h.Context(quick=True, large=False, workdir=tmp_path, options=options)
     config = memory.config_for(ctx)
     report = memory.run(ctx)
     assert report.error is None

@@ -20,6 +20,7 @@ pytest.importorskip("torch")
 
 from bench import _harness as h
 from bench import _lm, quality
+from bench import _quality_report as report_module
 
 TINY = _lm.Sizes(
     model=_lm.ModelSize(d_model=16, layers=1, heads=2),
@@ -117,7 +118,7 @@ def test_compression_arms_selection_and_table() -> None:
         "rounds_committed": 10,
     }
     report = h.Report("quality", "t", "-")
-    quality.compression_table(report, [dense, sparse], TINY)
+    report_module.compression_table(report, [dense, sparse], TINY)
     rows = {row["arm"]: row for row in report.data["compression"]}
     assert rows["diloco"]["bytes_per_round"]["total"] == 400
     assert rows["sparseloco-2%"]["bytes_per_round"] == {
@@ -149,7 +150,7 @@ def test_compression_arms_build_their_algorithms() -> None:
     assert built["diloco-topk-2%-8b"].compression == gm.TopK(density=0.02, bits=8)
     assert built["diloco-bf16"].compression == gm.Cast("bfloat16")
     assert built["diloco-int8"].compression == gm.Quantize(bits=8)
-    words = {name: quality.describe_algorithm(a.settings()) for name, a in built.items()}
+    words = {name: report_module.describe_algorithm(a.settings()) for name, a in built.items()}
     assert words["diloco-topk-5%-2b"] == "DiLoCo: TopK 5%, 2 bits"
     assert words["sparseloco-2%"].startswith("SparseLoCo: TopK 2%, 2 bits, outer_lr 1,")
     tuned = make_algorithm(gm, {"name": "sparseloco", "settings": {"error_decay": 0.9}}, 25, 1)

@@ -54,10 +54,17 @@ def _free_port() -> int:
 @pytest.fixture
 def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[KubeCluster]:
     """The stand-in with an auditing API server and a kubelet whose pods find the API
-    through ``KUBECONFIG`` (a real kubelet mounts a ServiceAccount token instead)."""
+    through ``KUBECONFIG`` (a real kubelet mounts a ServiceAccount token instead), and whose
+    node pods train the built-in node's synthetic task, as ``start_cluster``'s own do (these
+    tests are about the chart and the operator, not the language model: the example run's
+    model trained for minutes here)."""
     monkeypatch.setattr(fixtures, "ApiServer", AuditingApiServer)
     workdir = tmp_path / "kube"
-    env = {"PYTHONPATH": str(ROOT), "KUBECONFIG": str(workdir / "kubeconfig")}
+    env = {
+        "PYTHONPATH": str(ROOT),
+        "KUBECONFIG": str(workdir / "kubeconfig"),
+        "GRADIENTMAIL_TASK": "synthetic",
+    }
     with start_cluster(workdir, kubelet_options={"extra_env": env}) as running:
         yield running
 

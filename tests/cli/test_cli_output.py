@@ -9,6 +9,8 @@ import argparse
 import asyncio
 import os
 import re
+import subprocess
+import sys
 import traceback
 from pathlib import Path
 from typing import Any
@@ -269,6 +271,28 @@ def test_help_through_the_entry_point() -> None:
         assert done.returncode == 0, done.stderr
         assert "``" not in done.stdout
         assert "--store-timeout" in done.stdout
+
+
+def test_a_command_imports_only_what_it_needs(tmp_path: Path) -> None:
+    """``status``, ``sweep`` and ``rm`` start without torch, and without the spec models of
+    ``run`` (pydantic, yaml): a command imports its own module only."""
+    code = (
+        "import sys\n"
+        "from gradientmail.cli import main\n"
+        "for words in (['status', sys.argv[1]], ['sweep', sys.argv[1]], ['rm', sys.argv[1]]):\n"
+        "    assert main(words) == 1\n"
+        "heavy = ('torch', 'pydantic', 'yaml', 'gradientmail.cli.run', 'gradientmail.cli.tools')\n"
+        "print(sorted(m for m in heavy if m in sys.modules))\n"
+    )
+    box = tmp_path / "box"
+    box.mkdir()
+    (box / "notes.txt").write_text("not a mailbox")
+    done = subprocess.run(
+        [sys.executable, "-c", code, box.as_uri()], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr
+    assert done.stderr.count("is not a GradientMail mailbox directory") == 3, done.stderr
 
 
 def test_urls_are_shown_decoded() -> None:

@@ -25,7 +25,16 @@ from gradientmail.testing import SlowMailbox
 from tests.support.waiting import wait_until
 from tests.training import commits, make_model
 
-FAST = {"poll_interval": 0.02, "round_timeout": 5.0, "lease_timeout": 3.0, "keep_rounds": 10_000}
+# idle_poll_interval: how soon a learner that awaits no commit of its own sees one another
+# wrote (the library's default, 5 s, made each test that writes commits by hand wait 5 s a
+# poll); as fast as poll_interval, so those tests wait for the condition, not the clock.
+FAST = {
+    "poll_interval": 0.02,
+    "idle_poll_interval": 0.02,
+    "round_timeout": 5.0,
+    "lease_timeout": 3.0,
+    "keep_rounds": 10_000,
+}
 
 
 def _batch(seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -273,6 +282,19 @@ def test_sync_contributes_now_and_returns_with_the_commit_applied() -> None:
         assert session.sync() == (2, 3), "nothing new: nothing contributed"
 
 
+def staged(session: gm.Session, fragment: int, r: int) -> None:
+    """Wait until the syncer staged round ``r`` of ``fragment``, then apply it with one
+    ``step()`` (what the training thread does). Stepping at every look, as before, reached
+    the run's sync points (the first at step 5) after as many looks, and there this learner
+    contributed and waited for rounds the test is not about."""
+    wait_until(
+        lambda: (ahead := session._shared.staged.get(fragment)) and ahead.commit.round >= r,
+        f"fragment {fragment}'s round {r} staged",
+    )
+    session.step()
+    assert session.rounds[fragment] == r, session.rounds
+
+
 def _write_commit(box: gm.Mailbox, commit: p.Commit) -> None:
     asyncio.run(box.put_if_absent(p.round_key(commit.round), p.encode(commit)))
 
@@ -291,11 +313,7 @@ def test_a_malformed_round_record_is_reported_once_and_skipped() -> None:
         good = p.Commit(3, 1, 1, (p.Contribution("w", 5, first.params),), first.params, None, "w")
         _write_commit(box, good)
 
-        def applied() -> tuple[int, ...]:
-            reader.step()
-            return reader.rounds
-
-        wait_until(lambda: applied()[1] == 3, "fragment 1's commit applied")
+        staged(reader, 1, 3)
         # Several more polls pass over the bad record: it is reported once.
         polls = reader.counters().requests.get("list:rounds", 0)
         wait_until(lambda: reader.counters().requests.get("list:rounds", 0) > polls + 3, "polls")
@@ -423,14 +441,10 @@ def test_one_fragments_failed_download_does_not_hold_back_the_other() -> None:
             inner, p.Commit(3, 1, 1, (p.Contribution("w", 1, f1.params),), f1.params, None, "w")
         )
 
-        def applied() -> tuple[int, ...]:
-            reader.step()
-            return reader.rounds
-
-        wait_until(lambda: applied()[1] == 3, "fragment 1's commit applied")
+        staged(reader, 1, 3)
         assert reader.rounds[0] == 0
         box.healed.set()
-        wait_until(lambda: applied()[0] == 2, "fragment 0's commit once readable")
+        staged(reader, 0, 2)
     finally:
         reader._abandon()
         writer._abandon()

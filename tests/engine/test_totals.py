@@ -18,7 +18,7 @@ from gradientmail.inspect import RunWatcher
 from gradientmail.mailbox.metered import Metered
 from gradientmail.wire.records import NO_TOTALS, Totals
 from tests.engine.test_closer import Fixture
-from tests.training import Learner, commits, run_learners, verify_all
+from tests.training import LOCKSTEP, Learner, commits, run_learners, verify_all
 
 KEY = p.round_key(5)
 
@@ -110,9 +110,12 @@ def test_a_base_without_totals_gives_none() -> None:
 
 @pytest.fixture(scope="module")
 def trained() -> gm.MemoryMailbox:
+    """Two learners that start together in LOCKSTEP: every round closes as soon as both
+    contributed (never by waiting out a round_timeout for one that is slow to join), so the
+    run has every sync point's round, whatever the delays on a loaded machine."""
     box = gm.MemoryMailbox()
     learners = [Learner("a", 40, seed=1), Learner("b", 40, seed=2)]
-    run_learners(learners, box, gm.DiLoCo(sync_every=4, fragments=2))
+    run_learners(learners, box, gm.DiLoCo(sync_every=4, fragments=2), together=True, **LOCKSTEP)
     return box
 
 
