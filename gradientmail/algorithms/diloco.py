@@ -41,7 +41,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Self
 
 import torch
@@ -50,6 +50,9 @@ from gradientmail.algorithms.base import register
 from gradientmail.algorithms.compression import Compression, compression_from_settings
 from gradientmail.settings import algorithm_info, check
 from gradientmail.wire import TensorSpec
+
+# The dtype of the outer state (the momentum), whatever the model's (state_specs).
+OUTER_DTYPE = "torch.float32"
 
 __all__ = ["BUFFER_MODES", "DiLoCo"]
 
@@ -158,9 +161,11 @@ class DiLoCo:
     # -- the round ---------------------------------------------------------------------------
 
     def state_specs(self, specs: Sequence[TensorSpec]) -> tuple[TensorSpec, ...]:
-        """The outer momentum: one float32-accumulated tensor per tensor of the fragment,
-        stored in the fragment's own dtypes and shapes (buffers' entries stay zero)."""
-        return tuple(specs)
+        """The outer momentum: one tensor per tensor of the fragment, in its shape and in
+        float32 whatever the parameters' dtype (a bfloat16 or float16 momentum of small
+        outer steps would round them away; :meth:`finish` computes it in float32 and it is
+        stored as computed). Buffers' entries stay zero."""
+        return tuple(replace(spec, dtype=OUTER_DTYPE) for spec in specs)
 
     def weights(
         self, contributions: Sequence[tuple[str, int]], closer: str | None, /

@@ -194,6 +194,7 @@ def view_json(
             "stalling": list(sync.stalling),
         },
         "compression": view.compression,
+        "dtypes": list(view.dtypes),
         "traffic": {
             "bytes_up": traffic.bytes_up,
             "bytes_down": traffic.bytes_down,

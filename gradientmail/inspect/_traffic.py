@@ -7,13 +7,13 @@ the manifest (:func:`model_bytes`), and the compression settings in words
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from gradientmail.wire import Manifest
 
-__all__ = ["Traffic", "describe_compression", "model_bytes"]
+__all__ = ["Traffic", "describe_compression", "model_bytes", "model_dtypes"]
 
 
 @dataclass(frozen=True)
@@ -54,12 +54,24 @@ def model_bytes(manifest: Manifest | None) -> int | None:
     return total
 
 
-def describe_compression(algorithm: Mapping[str, Any] | None) -> str:
+def model_dtypes(manifest: Manifest | None) -> tuple[str, ...]:
+    """The dtypes of the tensors rounds carry (``("bfloat16", "float32")``), sorted; empty
+    before the manifest exists."""
+    if manifest is None:
+        return ()
+    names = {spec.dtype.removeprefix("torch.") for specs in manifest.fragments for spec in specs}
+    return tuple(sorted(names))
+
+
+def describe_compression(
+    algorithm: Mapping[str, Any] | None, dtypes: Sequence[str] = ("float32",)
+) -> str:
     """A manifest's compression settings in words: ``top-2% of 4096, 2-bit``,
-    ``bfloat16``, ``int8``, or ``none (float32)``."""
+    ``bfloat16``, ``int8``, or ``none (...)`` naming the model's ``dtypes`` (``none
+    (float32)``, ``none (bfloat16, float32)``)."""
     settings = None if algorithm is None else algorithm.get("compression")
     if not isinstance(settings, Mapping):
-        return "none (float32)"
+        return f"none ({', '.join(dtypes)})" if dtypes else "none"
     name = settings.get("name")
     if name == "topk":
         density = 100 * float(settings.get("density", 0))

@@ -50,7 +50,12 @@ from gradientmail.inspect._groups import (
     GroupWatcher,
     is_moshpit,
 )
-from gradientmail.inspect._traffic import Traffic, describe_compression, model_bytes
+from gradientmail.inspect._traffic import (
+    Traffic,
+    describe_compression,
+    model_bytes,
+    model_dtypes,
+)
 from gradientmail.mailbox import Mailbox
 from gradientmail.wire import (
     CREATOR,
@@ -184,6 +189,8 @@ class RunView:
     # The bytes of what one round of every fragment carries, dense (the manifest's params
     # and buffers; None before the manifest exists).
     model_bytes: int | None = None
+    # The dtypes of the tensors rounds carry, sorted (empty before the manifest exists).
+    dtypes: tuple[str, ...] = ()
     # A Moshpit run's group rounds (None for any other run, and before the manifest).
     # For such a run rounds_committed and newest_round are the newest group round (group
     # rounds are numbered 1, 2, … and each has commits), last_contributors the members of
@@ -195,7 +202,7 @@ class RunView:
     @property
     def compression(self) -> str:
         """How contributions travel, in words (:func:`describe_compression`)."""
-        return describe_compression(self.algorithm)
+        return describe_compression(self.algorithm, self.dtypes)
 
     @property
     def traffic(self) -> Traffic:
@@ -481,6 +488,7 @@ class RunWatcher:
             samples_per_second=rate,
             commit_age_known=bool(self._commit_seen_poll),
             model_bytes=model_bytes(manifest),
+            dtypes=model_dtypes(manifest),
             groups=groups,
         )
 
