@@ -7,8 +7,9 @@ Three ways a benchmark runs learners, one home each:
   their results gathered from the queue until all came, one failed (the others get a grace
   period, then are stopped), the processes exited, they went silent, or the time ran out
   (``step``, ``sync``, ``utilization``, ``memory``);
-- :class:`Job`, :func:`run_together` and :func:`run_pool`: ``python -m bench._quality_worker``
-  subprocesses given a JSON job file (``quality``'s learners, evaluations and in-process arms);
+- :class:`Job`, :func:`run_together` and :func:`run_pool`: ``bench._quality_worker`` processes
+  given a JSON job file (``quality``'s learners, evaluations and in-process arms), forked
+  from a server that imported torch and gradientmail once (:func:`_job_context`);
 - :func:`stores`: a fresh mailbox per configuration, on the filesystem or on a SeaweedFS
   server started for it (``testbed/s3servers.py``), removed afterwards;
 - inside a learner, :class:`Events`: a Session's events with the time each came.
@@ -21,13 +22,12 @@ import multiprocessing as mp
 import os
 import queue as queue_module
 import shutil
-import subprocess
 import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -200,16 +200,49 @@ class JobFailed(RuntimeError):
     """A worker subprocess failed or timed out: its error and the tail of its log."""
 
 
+def _job_context() -> Any:
+    """Where job processes come from: a ``multiprocessing`` fork server that imported the
+    worker module (torch, gradientmail) once. Each job is still its own process, with its
+    own memory and its own mailbox traffic; it only skips the ~2.5 CPU-s interpreter and
+    torch start-up a fresh ``python -m`` pays (27 learner processes per ``--quick`` run).
+    The server is forked before any job runs a torch op, so no thread pool crosses a fork."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(["bench._quality_worker"])
+    return context
+
+
+def _run_job(module: str, path: str, log: str, env: Mapping[str, str]) -> None:
+    """A job process's body: its output to ``log``, its environment, then the module's
+    ``main`` as ``python -m module path`` would run it."""
+    import importlib
+
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(h.ROOT)
+    sys.argv = [module, path]
+    code = importlib.import_module(module).main([path])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip the server's atexit hooks: this process only ran one job
+
+
 @dataclass
 class Job:
-    """``python -m <module> <name>.job.json`` in ``dir``; it writes ``<name>.out.json``."""
+    """``<module>.main([<name>.job.json])`` in a process of its own, forked from the job
+    server (:func:`_job_context`); it writes ``<name>.out.json`` in ``dir``."""
 
     name: str
     spec: dict[str, Any]
     timeout: float
     dir: Path
     module: str = "bench._quality_worker"
-    proc: subprocess.Popen[bytes] | None = None
+    proc: Any = None  # a multiprocessing Process
     started: float = 0.0
     result: dict[str, Any] | None = None
 
@@ -225,21 +258,20 @@ class Job:
         spec = dict(self.spec, out=str(self.out))
         path = self.dir / f"{self.name}.job.json"
         path.write_text(json.dumps(spec))
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", self.module, str(path)],
-                cwd=h.ROOT,
-                env=dict(env),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-            )
+        self.log.write_bytes(b"")
+        self.proc = _job_context().Process(
+            target=_run_job,
+            args=(self.module, str(path), str(self.log), dict(env)),
+            name=self.name,
+            daemon=True,
+        )
+        self.proc.start()
         self.started = time.monotonic()
 
     def finished(self) -> bool:
         """True once the process exited (its result read) or was ended for its timeout."""
         assert self.proc is not None
-        if self.proc.poll() is None:
+        if self.proc.exitcode is None:
             if time.monotonic() - self.started <= self.timeout:
                 return False
             self.kill()
@@ -249,16 +281,15 @@ class Job:
             try:
                 self.result = json.loads(self.out.read_text())
             except (OSError, ValueError):
-                self.result = {"error": f"exit status {self.proc.returncode}, no result"}
-            if self.proc.returncode != 0 and "error" not in self.result:
-                self.result["error"] = f"exit status {self.proc.returncode}"
+                self.result = {"error": f"exit status {self.proc.exitcode}, no result"}
+            if self.proc.exitcode != 0 and "error" not in self.result:
+                self.result["error"] = f"exit status {self.proc.exitcode}"
         return True
 
     def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
+        if self.proc is not None and self.proc.exitcode is None:
             self.proc.kill()
-            with suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=30)
+            self.proc.join(timeout=30)
 
     def tail(self, lines: int = 15) -> str:
         try:
