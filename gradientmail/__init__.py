@@ -49,6 +49,8 @@ from gradientmail.errors import (
     MailboxUnavailable,
     PayloadCorrupt,
     ProtocolError,
+    RanksFailed,
+    RoundImpossible,
 )
 from gradientmail.ledger import MemoryUsage, memory_usage
 from gradientmail.mailbox import Mailbox
@@ -91,6 +93,8 @@ __all__ = [
     "PayloadCorrupt",
     "ProtocolError",
     "Quantize",
+    "RanksFailed",
+    "RoundImpossible",
     "S3Mailbox",
     "Session",
     "SharedQueue",

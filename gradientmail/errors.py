@@ -16,6 +16,11 @@
   run lists again; a reader of a finished run has lost that object.
 - :class:`RoundMissing`: a fragment of the run has no commit yet (the run is still being
   created, or its creator died half-way and nobody joined since).
+- :class:`RoundImpossible`: a round cannot be made by anyone, for a reason in the run's
+  data (its closer failed the same way on every try); ``step()`` raises it in every
+  learner of that round. Retrying will not help: fix the cause, start a new run.
+- :class:`RanksFailed`: not the mailbox: another rank of this learner (a node of several
+  processes) died or stopped calling the Session; restart the whole node.
 
 Programming errors (a malformed key, an unknown URL scheme) are plain ``ValueError`` /
 ``TypeError``, raised before any I/O.
@@ -30,6 +35,8 @@ __all__ = [
     "ObjectMissing",
     "PayloadCorrupt",
     "ProtocolError",
+    "RanksFailed",
+    "RoundImpossible",
     "RoundMissing",
 ]
 
@@ -81,3 +88,20 @@ class RoundMissing(ProtocolError):
     """A fragment of the run has no commit yet, so there is no model to load: the run is
     still being created (wait, or join it), or its creator died before writing the initial
     commits (a joining node finishes them)."""
+
+
+class RoundImpossible(ProtocolError):
+    """A round cannot be made by anyone: its closer failed the same way on every try for a
+    reason in the run's data (a payload of another dtype or shape than the run's, a record
+    that breaks the protocol), not the store's, and recorded it (``claims/{r}/failed``).
+    Every learner of the round raises it from ``step()`` (or ``sync()``, ``close()``),
+    naming the round and the reason: the run cannot go on as it is. Fix the cause (the
+    message names it) and start a new run, or resume this one with a release that reads
+    its data."""
+
+
+class RanksFailed(RuntimeError):
+    """A collective among the ranks of one learner failed: another rank of it died, left,
+    or stopped calling the Session past the process group's timeout. Not the mailbox's
+    fault: the learner leaves the run (its leaving beat is written, or its lease lapses);
+    restart the whole node (``gradientmail run`` and the operator do)."""

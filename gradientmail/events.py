@@ -14,6 +14,7 @@ __all__ = [
     "Applied",
     "Committed",
     "Event",
+    "Following",
     "GroupMissed",
     "Joined",
     "Left",
@@ -38,6 +39,17 @@ class Event:
 class Joined(Event):
     creator: bool
     rounds: tuple[int, ...]  # newest commit of each fragment loaded at join
+
+
+@dataclass(frozen=True)
+class Following(Event):
+    """This process is rank ``rank`` (of ``ranks``) of a learner of many ranks, not its
+    leader: it never talks to the mailbox, its counters stay at zero, and after every call
+    it receives the parameters the leader (rank 0) applied (``session/_ranks.py``)."""
+
+    rank: int
+    ranks: int
+    rounds: tuple[int, ...]  # the leader's newest commit of each fragment, received at join
 
 
 @dataclass(frozen=True)

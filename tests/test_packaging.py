@@ -6,8 +6,8 @@
 - importing the library leaves the process's warning filters alone, and decoding a payload
   warns about nothing;
 - ``gm.NodeEnv`` (and the old path ``gm.node``) after ``import gradientmail``; the
-  README's training snippet ("Your own training code") runs as printed (only the mailbox
-  URL swapped for a directory);
+  README's training snippet ("Your training code", its plain loop) runs as printed (only
+  the mailbox URL swapped for a directory; the start barrier with one node);
 - pyproject: SPDX license strings, a small core with extras, ranges only (the tested
   versions in ``constraints.txt``, which the install script and CI use), a scheduled job
   without constraints; the README links nothing outside the repository and never tells
@@ -176,7 +176,7 @@ def test_gm_node_env_and_the_old_node_path_are_there_after_import_gradientmail()
 
 
 def _training_snippet() -> str:
-    section = README.split("\n## Your own training code\n", 1)[1]
+    section = README.split("\n## Your training code\n", 1)[1]
     match = re.search(r"```python\n(.*?)```", section, re.S)
     assert match, "no python block in the README's training section"
     return match.group(1)
@@ -186,7 +186,7 @@ _PRELUDE = """
 import torch
 
 torch.manual_seed(0)
-rank = 0
+rank, nodes = 0, 1
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
 optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
 dataloader = [(torch.randn(32, 8), torch.randn(32, 1)) for _ in range(40)]

@@ -49,10 +49,7 @@ import torch
 from gradientmail.algorithms.base import register
 from gradientmail.algorithms.compression import Compression, compression_from_settings
 from gradientmail.settings import algorithm_info, check
-from gradientmail.wire import TensorSpec
-
-# The dtype of the outer state (the momentum), whatever the model's (state_specs).
-OUTER_DTYPE = "torch.float32"
+from gradientmail.wire import OUTER_DTYPE, TensorSpec
 
 __all__ = ["BUFFER_MODES", "DiLoCo"]
 
@@ -162,9 +159,10 @@ class DiLoCo:
 
     def state_specs(self, specs: Sequence[TensorSpec]) -> tuple[TensorSpec, ...]:
         """The outer momentum: one tensor per tensor of the fragment, in its shape and in
-        float32 whatever the parameters' dtype (a bfloat16 or float16 momentum of small
-        outer steps would round them away; :meth:`finish` computes it in float32 and it is
-        stored as computed). Buffers' entries stay zero."""
+        float32 (``OUTER_DTYPE``) whatever the parameters' dtype, as the global parameters
+        a commit stores (a bfloat16 or float16 momentum of small outer steps would round
+        them away; :meth:`finish` computes it in float32 and it is stored as computed).
+        Buffers' entries stay zero."""
         return tuple(replace(spec, dtype=OUTER_DTYPE) for spec in specs)
 
     def weights(

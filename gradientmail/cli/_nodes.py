@@ -1,11 +1,15 @@
 """The node processes of ``gradientmail run``: starting, reading, restarting, stopping.
 
-Each node runs in its own session and process group, so the terminal's Ctrl-C reaches only
-``gradientmail run``, which then stops every group in order (SIGINT, SIGTERM, SIGKILL).
-A reader thread per process copies its output to the node's log and takes the progress
-the built-in node prints (``…: step N loss X …``, and ``val Y``, a validation loss of its
-own model, kept with the time it arrived); the mailbox (beats) tells the rest.
-:class:`Watch` polls the run's mailbox on its own thread.
+Each node runs in its own process group (a session of its own too, when it is one
+process), so the terminal's Ctrl-C reaches only ``gradientmail run``, which then stops
+every group in order (SIGINT, SIGTERM, SIGKILL). A node of ``--procs-per-node`` P > 1 is P
+ranks in that one group
+(:class:`gradientmail.launch.ranks.Ranks`: torchrun's environment, one learner, a rank that
+fails stops its siblings and fails the node). A reader thread per node copies rank 0's
+output to the node's log and takes the progress the built-in node prints (``…: step N
+loss X …``, and ``val Y``, a validation loss of its own model, kept with the time it
+arrived); ranks 1.. write to ``logs/{learner}.rank{R}.log``. The mailbox (beats) tells the
+rest. :class:`Watch` polls the run's mailbox on its own thread.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from gradientmail.cli.table import NodeRow, SampleRate
 from gradientmail.errors import MailboxError
 from gradientmail.inspect import RunView, RunWatcher
 from gradientmail.launch.env import NodeEnv
+from gradientmail.launch.ranks import Output, RankFailure, Ranks
 from gradientmail.mailbox import Mailbox
 
 __all__ = ["Interrupted", "Node", "Runner", "Watch", "group_alive"]
@@ -57,7 +62,9 @@ class Node:
     first_loss: float | None = None
     last_loss: float | None = None
     restarts: int = 0
-    proc: subprocess.Popen[bytes] | None = None
+    proc: subprocess.Popen[bytes] | None = None  # rank 0, leader of the node's group
+    ranks: Ranks | None = None
+    failure: RankFailure | None = None  # the rank whose exit failed the node, last time
     reader: threading.Thread | None = None
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
     exit_code: int | None = None
@@ -66,6 +73,21 @@ class Node:
     @property
     def learner(self) -> str:
         return self.env.learner_id
+
+    def rank_log(self, rank: int) -> Path:
+        """Where rank ``rank``'s output goes (rank 0's: the node's log)."""
+        return self.log if rank == 0 else self.log.with_name(f"{self.learner}.rank{rank}.log")
+
+    def failure_tail(self) -> tuple[Path, list[str]]:
+        """The log of the rank that failed the node, and its last lines."""
+        if self.failure is None or self.failure.rank == 0:
+            return self.log, list(self.tail)
+        path = self.rank_log(self.failure.rank)
+        try:
+            lines = path.read_text(errors="replace").splitlines()
+        except OSError:
+            lines = []
+        return path, lines[-TAIL_LINES:]
 
     def row(self) -> NodeRow:
         return NodeRow(
@@ -110,8 +132,10 @@ class Runner:
         base_env: dict[str, str],
         workdir: Path,
         max_restarts: int,
+        procs: int = 1,
     ) -> None:
         self.nodes = nodes
+        self.procs = procs
         self.command = command
         self.base_env = base_env
         self.workdir = workdir
@@ -119,19 +143,29 @@ class Runner:
         self.lines: queue.Queue[tuple[Node, str]] = queue.Queue()
 
     def start(self, node: Node) -> None:
-        log = node.log.open("ab")
+        logs = [node.rank_log(rank).open("ab") for rank in range(self.procs)]
         if node.restarts:
-            log.write(f"--- restart {node.restarts} ---\n".encode())
-            log.flush()
-        node.proc = subprocess.Popen(
-            self.command,
-            env=self.base_env | node.env.to_environ(),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group: the terminal's Ctrl-C is ours
-        )
-        node.state, node.exit_code = "starting", None
+            for log in logs:
+                log.write(f"--- restart {node.restarts} ---\n".encode())
+                log.flush()
+
+        def output(rank: int) -> Output:
+            return subprocess.PIPE if rank == 0 else logs[rank]
+
+        # Its own process group (the terminal's Ctrl-C is ours), every rank in it.
+        try:
+            node.ranks = Ranks.start(
+                self.command, self.base_env | node.env.to_environ(), self.procs, output=output
+            )
+        except BaseException:
+            logs[0].close()
+            raise
+        finally:
+            for log in logs[1:]:
+                log.close()  # the ranks write their own copies
+        node.proc = node.ranks.procs[0]
+        node.state, node.exit_code, node.failure = "starting", None, None
+        log = logs[0]
         assert node.proc.stdout is not None
         node.reader = threading.Thread(
             target=self._read,
@@ -158,6 +192,7 @@ class Runner:
                 "index": n.index,
                 "pid": n.proc.pid if n.proc else None,
                 "pgid": n.proc.pid if n.proc else None,  # leader of its own group
+                "pids": [p.pid for p in n.ranks.procs] if n.ranks else [],  # every rank
                 "restarts": n.restarts,
                 "log": str(n.log),
             }
@@ -168,15 +203,15 @@ class Runner:
         target.with_suffix(".tmp").replace(target)
 
     def alive(self) -> list[Node]:
-        return [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
+        return [n for n in self.nodes if n.ranks is not None and n.ranks.alive()]
 
     def reap(self) -> Node | None:
         """Note exits; restart failed nodes within the budget; return a node that failed
         for good (None while none has)."""
         for node in self.nodes:
-            if node.proc is None or node.exit_code is not None:
+            if node.ranks is None or node.exit_code is not None:
                 continue
-            code = node.proc.poll()
+            code = node.ranks.poll()  # a failed rank has its siblings stopped here
             if code is None:
                 continue
             if node.reader is not None:
@@ -185,7 +220,17 @@ class Runner:
             if code == 0:
                 node.state = "done"
                 continue
-            node.state = f"failed (exit {code})"
+            node.failure = node.ranks.failure
+            rank = node.failure.rank if node.failure is not None else 0
+            node.state = f"failed (exit {code})" if self.procs == 1 else f"failed (rank {rank})"
+            if self.procs > 1:
+                self.lines.put(
+                    (
+                        node,
+                        f"[gradientmail run] rank {rank} exited {code} (log: "
+                        f"{node.rank_log(rank)}); the node's other ranks were stopped",
+                    )
+                )
             if self.restarts_left <= 0:
                 return node
             self.restarts_left -= 1
@@ -216,11 +261,10 @@ class Runner:
             except (KeyboardInterrupt, Interrupted):
                 continue  # impatient: next signal now
         for node in self.nodes:
-            if node.proc is not None:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    node.proc.wait(timeout=5)
+            if node.proc is not None and node.ranks is not None:
+                code = node.ranks.wait(timeout=5)
                 if node.exit_code is None:
-                    node.exit_code = node.proc.returncode
+                    node.exit_code = code
                     node.state = "stopped"
                 # What the node started itself (same group) goes too.
                 deadline = time.monotonic() + 5

@@ -29,6 +29,14 @@ A mailbox that already holds a run is checked before any node starts:
   the nodes as new learners, numbered after every learner the mailbox knows. An earlier
   run's learners that left or crashed (beats that stand still) are rejoined.
 
+A node of ``--procs-per-node`` P > 1 (``spec.procsPerNode``) is P local processes with
+torchrun's environment and the node's one learner id
+(:mod:`gradientmail.launch.ranks`, the same launcher an operator pod runs): its row in the
+table follows rank 0, whose output goes to ``logs/{learner}.log``; ranks 1.. write to
+``logs/{learner}.rank{R}.log``. The ranks live and die together: one that exits non-zero
+has the others stopped and the node counts as failed (restarted whole, below). The
+built-in node is one process per node and refuses P > 1.
+
 Ending: a node that exits non-zero is restarted, as the same learner, while the run's
 ``maxRestarts`` lasts; after that the others are stopped and the failing node's log tail
 printed (exit 1). Ctrl-C (or SIGTERM) sends SIGINT to every node's process group, waits
@@ -88,6 +96,7 @@ from gradientmail.launch.runspec import (
     learner_id,
     mailbox_url,
     node_env,
+    ranks_problem,
 )
 from gradientmail.mailbox import Mailbox
 from gradientmail.settings import camel
@@ -171,6 +180,13 @@ def add_parser(sub: Any) -> None:
         + ")",
     )
     group.add_argument("--max-restarts", type=int, help="spec.maxRestarts (3)")
+    procs = settings.LAUNCH["procs_per_node"]
+    group.add_argument(
+        "--procs-per-node",
+        type=_parser(procs),
+        metavar="P",
+        help=f"spec.procsPerNode ({procs.default}): {procs.description}",
+    )
     run.add_argument("--workdir", type=Path, help="run folder (default: a fresh one in $TMPDIR)")
     run.add_argument(
         "--no-live", action="store_true", help="plain output even on a terminal (no table)"
@@ -228,7 +244,7 @@ def _command(args: argparse.Namespace, loaded: LoadedSpec) -> list[str]:
     return command
 
 
-def _base_environ(loaded: LoadedSpec, nodes: int, console: Console) -> dict[str, str]:
+def _base_environ(loaded: LoadedSpec, processes: int, console: Console) -> dict[str, str]:
     # The contract's variables come from the spec alone; the built-in node's own settings
     # (its task and sizes) pass through from here.
     base = {
@@ -245,8 +261,9 @@ def _base_environ(loaded: LoadedSpec, nodes: int, console: Console) -> dict[str,
         elif var.value is not None:
             base[var.name] = var.value
     base["PYTHONUNBUFFERED"] = "1"
-    # Several nodes share this machine: one each would oversubscribe every core.
-    threads = str(max(1, (os.cpu_count() or 1) // nodes))
+    # Several processes (nodes times their ranks) share this machine: each with a thread
+    # per core would oversubscribe every core.
+    threads = str(max(1, (os.cpu_count() or 1) // processes))
     for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         base.setdefault(name, threads)
     return base
@@ -398,7 +415,10 @@ def run_command(args: argparse.Namespace) -> int:
     else:
         name = loaded.name
     command = _command(args, loaded)
-    base = _base_environ(loaded, loaded.spec.nodes, errors)
+    problem = ranks_problem(loaded.spec.procs_per_node, command)
+    if problem is not None:
+        raise CliError(problem, USAGE)
+    base = _base_environ(loaded, loaded.spec.nodes * loaded.spec.procs_per_node, errors)
     lm = _lm_settings(base) if _builtin(command) else None
     if args.mailbox == "spec" and not loaded.has_mailbox:
         raise CliError("--mailbox spec: the spec file names no mailbox", USAGE)
@@ -457,7 +477,9 @@ def run_command(args: argparse.Namespace) -> int:
     console.print(f"[bold]mailbox[/]    {escape(url)}")
     # What the nodes run: the settings their NodeEnv builds the algorithm from.
     console.print(
-        f"[bold]nodes[/]      {spec.nodes} × {escape(' '.join(command))}  "
+        f"[bold]nodes[/]      {spec.nodes} × "
+        + (f"{spec.procs_per_node} ranks × " if spec.procs_per_node > 1 else "")
+        + f"{escape(' '.join(command))}  "
         f"(steps {spec.algorithm.steps}, {escape(spec.algorithm.describe())}, "
         f"maxRestarts {spec.max_restarts})"
     )
@@ -467,7 +489,7 @@ def run_command(args: argparse.Namespace) -> int:
             f"{escape(creator)}); the nodes join it as "
             f"{escape(', '.join(n.learner for n in nodes))}"
         )
-    runner = Runner(nodes, command, base, workdir, spec.max_restarts)
+    runner = Runner(nodes, command, base, workdir, spec.max_restarts, spec.procs_per_node)
     watch = Watch(box, args.poll_interval)
     live_mode = console.is_terminal and not args.no_live
     started = time.monotonic()
@@ -567,12 +589,15 @@ def run_command(args: argparse.Namespace) -> int:
         return 128 + interrupted.signum
     if failed is not None:
         folder = TracebackFolder(suffix=" (the traceback is in the log)")
-        lines = [shown for line in failed.tail for shown in folder.feed(line)] + folder.flush()
+        log, last = failed.failure_tail()
+        lines = [shown for line in last for shown in folder.feed(line)] + folder.flush()
         tail = "\n".join(f"  {line}" for line in lines) or "  (no output)"
+        rank = failed.failure
         errors.print(
-            f"[red]{escape(failed.learner)} failed (exit {failed.exit_code})"
+            f"[red]{escape(failed.learner)} failed (exit {failed.exit_code}"
+            f"{f' of rank {rank.rank}' if rank is not None and spec.procs_per_node > 1 else ''})"
             f"{' after ' + str(failed.restarts) + ' restarts' if failed.restarts else ''}[/]; "
-            f"the last lines of {escape(str(failed.log))}:"
+            f"the last lines of {escape(str(log))}:"
         )
         errors.print(escape(tail))
         return 1

@@ -44,6 +44,7 @@ FLAG_FIELDS: dict[str, tuple[str, ...]] = {
     "algorithm": ("algorithm", "name"),
     **{field: ("algorithm", camel(field)) for field in (*SETTING_FIELDS, "compression", "lm")},
     "max_restarts": ("maxRestarts",),
+    **{field: (camel(field),) for field in settings.LAUNCH},  # procs_per_node
 }
 
 

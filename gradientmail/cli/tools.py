@@ -2,8 +2,13 @@
 class. Both need torch and only read.
 
 ``align`` writes the newest commit of every fragment into one safetensors file, laid out
-by the manifest (tensor names are the model's parameter names), with the rounds loaded in
-its metadata. ``verify`` recomputes every commit whose inputs are still stored (its
+by the manifest (tensor names are the model's ``state_dict`` names): the fragments'
+tensors, the frozen parameters, and each tied name the manifest records (``aliases``) as a
+copy of its tensor (safetensors stores no shared tensors), so that
+``model.load_state_dict(load_file(FILE), strict=True)`` takes it; the metadata holds the
+rounds loaded and ``format: pt`` (which ``transformers``' ``from_pretrained`` requires).
+Integer buffers (BatchNorm's ``num_batches_tracked``) never travel and are not in it.
+``verify`` recomputes every commit whose inputs are still stored (its
 contributions, its base commit) from its round record, and reports mismatches, and which
 commits the sweep has made unverifiable.
 
@@ -81,10 +86,10 @@ GROUP_SWEPT_HINT = (
 
 _ALIGN_ABOUT = (
     "Write the newest commit of every fragment into one safetensors file (tensor names are "
-    "the model's parameter names, as in the run's manifest), for evaluation; no model class "
-    "needed. For a Moshpit run: the sample-weighted average of the newest group round's "
-    "commits, or the parameters they all share once the grid has averaged everyone; it "
-    "says which."
+    "the model's state_dict names, tied names included, as in the run's manifest), for "
+    "evaluation or from_pretrained; no model class needed. For a Moshpit run: the "
+    "sample-weighted average of the newest group round's commits, or the parameters they "
+    "all share once the grid has averaged everyone; it says which."
 )
 _VERIFY_ABOUT = (
     "Recompute every commit whose inputs are still in the mailbox from its round record "
@@ -156,10 +161,20 @@ async def _align(box: Mailbox, url: str, manifest: p.Manifest) -> tuple[Aligned,
             advance(1)
     except RoundMissing as exc:
         raise CliError(f"the run at {url} has no model yet: {exc}") from exc
+    return loaded, file_tensors(layout)
+
+
+def file_tensors(layout: Any) -> dict[str, Any]:
+    """Every tensor of ``layout`` (a :class:`~gradientmail.engine.layout.ModelLayout`) by
+    ``state_dict`` name: the fragments', the frozen parameters, and each alias (a tied
+    name) as a copy of its tensor: safetensors refuses two names sharing one storage."""
     tensors: dict[str, Any] = {}
     for fragment in range(layout.count):
         tensors.update(layout.copy_out(fragment))
-    return loaded, tensors
+    tensors.update(layout.frozen_tensors())
+    for alias, name in sorted(layout.aliases.items()):
+        tensors[alias] = tensors[name].clone()
+    return tensors
 
 
 def _why(exc: BaseException) -> str:
@@ -192,6 +207,7 @@ def run_align(args: argparse.Namespace) -> int:
         raise store_error(url, exc) from None
     rounds = loaded.rounds
     metadata = {
+        "format": "pt",  # transformers' from_pretrained refuses a file without it
         "gradientmail.rounds": json.dumps({str(f): r for f, r in sorted(rounds.items())}),
         "gradientmail.mailbox": url,
     }
@@ -206,17 +222,24 @@ def run_align(args: argparse.Namespace) -> int:
     except Exception as exc:  # OSError, or safetensors' own error for the same causes
         partial.unlink(missing_ok=True)
         raise CliError(f"--out {target}: cannot write it: {_why(exc)}") from None
-    count = sum(t.numel() for t in tensors.values())
+    tied = {a: n for a, n in manifest.aliases.items() if a in tensors}
+    count = sum(t.numel() for name, t in tensors.items() if name not in tied)
     if loaded.description is not None:
         loaded_what = loaded.description
     else:
         newest = ", ".join(f"{f}: {r}" for f, r in sorted(rounds.items()))
         loaded_what = f"newest rounds {newest} (fragment: round)"
+    ties = f" ({len(tied)} tied: {_tied_words(tied)})" if tied else ""
     out().print(
-        f"wrote {target}: {len(tensors)} tensors, {count:,} parameters, {loaded_what}",
+        f"wrote {target}: {len(tensors)} tensors{ties}, {count:,} parameters, {loaded_what}",
         markup=False,
     )
     return 0
+
+
+def _tied_words(tied: dict[str, str], most: int = 3) -> str:
+    words = [f"{a} = {n}" for a, n in sorted(tied.items())[:most]]
+    return ", ".join(words) + (f", {len(tied) - most} more" if len(tied) > most else "")
 
 
 # -- verify --------------------------------------------------------------------------------

@@ -9,7 +9,8 @@
   align``, a joiner's load): the newest commit of every fragment, or a Moshpit run's newest
   group round; typed errors (``RoundMissing``, ``ObjectMissing``: list again).
 - ``closer.py``: closing a round: the close condition, its claims (``coord/claims.py``),
-  combine, commit, sweep.
+  combine, commit, sweep; ``failures.py``: a round nobody can make (the same data fault on
+  every try): recorded once (``claims/{r}/failed``), raised in every learner.
 - ``members.py``: a round's or a group's members: reading and validating their snapshots,
   excluding unusable ones, summing with retry; checking a record's members (the round
   closer, the group closer and verify share it).
@@ -18,6 +19,7 @@
   accumulator (under ``members.py``).
 - ``chain.py``: a commit's parameters whether stored or not (``SparseLoCo(dense_every=K)``):
   downloaded, or computed from the newest stored commit and the rounds' contributions.
+  A run-wide commit stores float32 (``wire.outer_specs``); learners load it rounded.
 - ``verify.py``: recomputing a commit from its record and the previous commit.
 - ``exchange.py``: the :class:`Exchange` protocol a Session's communication thread drives
   (publish, close, the syncer's poll, join-time loading), its :class:`Host` (the learner's

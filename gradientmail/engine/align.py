@@ -283,7 +283,9 @@ def align(model: torch.nn.Module, *, mailbox: Mailbox, timeout: float = 60.0) ->
     """Load the run's newest committed parameters into ``model`` without joining.
 
     Returns ``{fragment: round}`` of the commits loaded. For evaluation, or to start a new
-    process from the run's current state. A Moshpit run has no run-wide commits: its
+    process from the run's current state. Each tensor gets the model's own dtype: a
+    commit's float32 global rounded by ``Tensor.to`` (round to nearest, ties to even), what
+    a learner of that dtype loads. A Moshpit run has no run-wide commits: its
     newest group round's commits are averaged (sample-weighted), or loaded as they are when
     they all hold the same parameters; the log says which (``{0: group round}``).
     """

@@ -40,9 +40,10 @@ async def step_from_contributions(
     own: tuple[str, Mapping[str, torch.Tensor]] | None = None,
     out: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """``commit``'s parameters from its base's (``base``) and its contributions, checked
-    against the key its record names. ``own``: a contribution's payload key and tensors
-    the caller holds (not downloaded again); ``out``: float32 buffers for the sums."""
+    """``commit``'s parameters from its base's (``base``, float32) and its contributions
+    (laid out as ``specs``, the model's dtypes), checked against the key its record names.
+    ``own``: a contribution's payload key and tensors the caller holds (not downloaded
+    again); ``out``: float32 buffers for the sums."""
     buffers = frozenset(spec.name for spec in specs if spec.kind == p.BUFFER)
     members = [
         Member(
@@ -83,12 +84,14 @@ async def commit_tensors(
     purpose: str = DOWNLOAD,
     deadline: float | None = None,
 ) -> dict[str, torch.Tensor]:
-    """``commit``'s parameters: downloaded when stored, else computed along the chain from
-    the newest stored commit before it with ``algorithm`` (``ProtocolError`` naming what
-    is missing)."""
+    """``commit``'s parameters (a run-wide commit's: float32, ``p.outer_specs``):
+    downloaded when stored, else computed along the chain from the newest stored commit
+    before it with ``algorithm`` (``ProtocolError`` naming what is missing). ``specs``:
+    the fragment's layout, in the model's dtypes (what its contributions carry)."""
+    stored = p.outer_specs(specs)
     if commit.stored:
         return await retrying(
-            partial(get_tensors, box, commit.params, specs, purpose=purpose), deadline=deadline
+            partial(get_tensors, box, commit.params, stored, purpose=purpose), deadline=deadline
         )
     if algorithm is None:
         raise ValueError("commit_tensors: an unstored commit needs the run's algorithm")
@@ -103,7 +106,7 @@ async def commit_tensors(
         data = await retrying(partial(box.get, key), deadline=deadline)
         chain.append(p.decode_commit(key, data))
     params: Mapping[str, torch.Tensor] = await retrying(
-        partial(get_tensors, box, chain[-1].params, specs, purpose=purpose), deadline=deadline
+        partial(get_tensors, box, chain[-1].params, stored, purpose=purpose), deadline=deadline
     )
     for step in reversed(chain[:-1]):
         params = await retrying(

@@ -13,6 +13,11 @@ Fail-safe rules:
 - A snapshot that cannot be loaded or verified (a malformed record, a missing or corrupt
   payload: any :class:`ProtocolError`) is excluded, listed in the record's ``excluded`` with
   the reason, and the round commits with the rest. With nothing usable left the close fails.
+- A close that fails the same way ``give_up_after`` times in a row for a reason in the
+  run's data (``engine/failures.py``: a payload of another dtype, a record that breaks the
+  protocol), not the store's, ends the round: the closer records ``claims/{r}/failed``
+  and raises :class:`~gradientmail.errors.RoundImpossible`; every closer that lists the
+  round's claims next raises it too, and each learner's ``step()`` with it.
 - A claim is honoured for a bounded time. Another learner claims ``attempt + 1`` once the
   holder's lease lapsed and it watched the claim for a lease period, or, live holder or
   not, once ``claim_timeout`` passed on its own monotonic clock since it first saw that
@@ -51,6 +56,7 @@ from gradientmail.coord.retry import retrying
 from gradientmail.coord.sweep import kept_rounds, sweep_after
 from gradientmail.engine.adopt import write_or_adopt
 from gradientmail.engine.chain import commit_tensors
+from gradientmail.engine.failures import FaultCount, raise_recorded, record_failure
 from gradientmail.engine.layout import ModelLayout
 from gradientmail.engine.members import Listed, read_members, sum_members
 from gradientmail.events import Committed, Event
@@ -83,6 +89,7 @@ class _Watch:
     first_seen: float  # when it first looked at the round (round_timeout runs from here)
     claims: ClaimSeries  # its closer claims: when each was first seen, who holds it
     failures: dict[int, int] = field(default_factory=dict)  # own attempt -> failed closes
+    faults: FaultCount = field(default_factory=FaultCount)  # the same data fault, in a row
 
 
 class RoundCloser:
@@ -169,7 +176,9 @@ class RoundCloser:
         own_snapshot: Mapping[str, torch.Tensor],
         base_params: Mapping[str, torch.Tensor] | None,
     ) -> Outcome | None:
-        """One attempt at closing round ``r``; None when it is not (yet) this learner's to close."""
+        """One attempt at closing round ``r``; None when it is not (yet) this learner's to
+        close. :class:`~gradientmail.errors.RoundImpossible` when nobody can close it
+        (``engine/failures.py``)."""
         self._prune(r)
         with self._lock:
             watch = self._watch.get(r)
@@ -191,6 +200,11 @@ class RoundCloser:
             return await self._close(r, attempt, snaps, own_payload, own_snapshot, base_params)
         except Exception as exc:
             failures = watch.failures[attempt] = watch.failures.get(attempt, 0) + 1
+            if watch.faults.add(attempt, exc) >= self.give_up_after:
+                # The same fault in the run's data on every try: nobody can make this
+                # round. Recorded for every learner, instead of a claim given up and
+                # retaken for ever while their sync points wait in silence.
+                raise await record_failure(self.box, r, self.learner, attempt, exc) from exc
             if failures == self.give_up_after:
                 _log.warning(
                     "round %d: closing attempt %d failed %d times (last: %r); giving the claim up",
@@ -207,6 +221,7 @@ class RoundCloser:
         ``others``: the live learners besides this one that contributed to ``r`` (the ones
         that could close it instead)."""
         listed = await retrying(partial(self.box.list, p.claims_prefix(r)))
+        await raise_recorded(self.box, r, listed)  # a closer found the round impossible
         claims = [key for key in listed if p.claim_round(key) == r]
         newest = p.parse_claim_attempt(claims[-1]) if claims else None
 
@@ -274,12 +289,11 @@ class RoundCloser:
         return base, base_params, momentum, usable, excluded
 
     def _in_place(self, fragment: int) -> bool:
-        """Whether the algorithm's state is shaped like the fragment, in float32 (DiLoCo's
-        momentum): then it is downloaded into, and updated in, a buffer of the closer's."""
-        specs = self.layout.specs[fragment]
-        return tuple(self.algorithm.state_specs(specs)) == tuple(specs) and all(
-            spec.dtype == "torch.float32" for spec in specs
-        )
+        """Whether the algorithm's state is shaped like the fragment's float32 globals
+        (DiLoCo's momentum): then it is downloaded into, and updated in, a buffer of the
+        closer's."""
+        state = self.algorithm.state_specs(self.layout.specs[fragment])
+        return tuple(state) == self.layout.outer_specs[fragment]
 
     async def _close(
         self,

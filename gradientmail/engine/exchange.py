@@ -63,6 +63,9 @@ class Pending:
     compressed: Tensors | None = None
     residual: Tensors | None = None
     group: str | None = None  # Moshpit: the group it was published to (round: its round)
+    # Set by the communication thread when nobody can make its round (a RoundImpossible):
+    # the training thread raises it from step(), sync() or close().
+    failure: Exception | None = None
 
 
 @dataclass(frozen=True)
@@ -167,7 +170,9 @@ class Exchange(Protocol):
     async def close(self, pending: Pending) -> None:
         """One look at the published ``pending``'s round: close it when this learner may,
         stage its commit when there is one. Failures are reported, never raised (but
-        :class:`~gradientmail.coord.retry.Stopped`)."""
+        :class:`~gradientmail.coord.retry.Stopped`); a round nobody can make
+        (:class:`~gradientmail.errors.RoundImpossible`) is set as ``pending.failure``, for
+        the training thread to raise."""
 
     async def poll(self) -> None:
         """The syncer's look for new commits (only where :attr:`syncer`)."""

@@ -30,7 +30,7 @@ from gradientmail.engine.exchange import (
     Tensors,
     mine_of,
 )
-from gradientmail.errors import ProtocolError
+from gradientmail.errors import ProtocolError, RoundImpossible
 from gradientmail.events import Event, PollFailed, RoundFailed
 from gradientmail.ledger import GLOBAL
 from gradientmail.payload import get_tensors, put_tensors
@@ -130,7 +130,11 @@ class RoundsExchange:
     async def close(self, pending: Pending) -> None:
         host = self.host
         with host.lock:
-            if pending.cancelled or pending.round <= host.known[pending.fragment]:
+            if (
+                pending.cancelled
+                or pending.failure is not None
+                or pending.round <= host.known[pending.fragment]
+            ):
                 return
             # Held here: applying the round lets go of them (under the lock) meanwhile.
             # A compressed contribution is summed from its payload's tensors, as the others'.
@@ -144,6 +148,12 @@ class RoundsExchange:
             )
         except Stopped:
             raise
+        except RoundImpossible as exc:
+            # Nobody can make this round: the training thread raises it (the emit below
+            # wakes a wait in progress).
+            with host.lock:
+                pending.failure = exc
+            failure = exc
         except Exception as exc:
             failure = exc
         if outcome is not None:
@@ -236,11 +246,13 @@ class RoundsExchange:
         elif like.keys() == {spec.name for spec in specs}:
             # Streamed part by part into a pooled buffer: the download holds a few parts,
             # and the buffer a previous commit of any fragment released.
-            into = self.globals.take(like, dtype=None)
-            params = await read_into(self.box, newest.params, specs, into, stop=host.stop)
+            into = self.globals.take(like)  # float32, as the commit stores it
+            stored = self.layout.outer_specs[fragment]
+            params = await read_into(self.box, newest.params, stored, into, stop=host.stop)
         else:
+            stored = self.layout.outer_specs[fragment]
             params = await retrying(
-                partial(get_tensors, self.box, newest.params, specs, purpose=GLOBAL),
+                partial(get_tensors, self.box, newest.params, stored, purpose=GLOBAL),
                 stop=host.stop,
             )
         if not self._stage(newest, params, mine_of(commits, host.learner_id)):

@@ -252,7 +252,7 @@ class _Joiner:
             if n > 0 and await self.call(partial(self.box.get, key)) is not None:
                 self.present.add(fragment)
                 continue
-            tensors = self.layout.copy_out(fragment)
+            tensors = self.layout.outer_copy(fragment)  # in float32, as every commit
             payload, _ = await self.call(partial(put_tensors, self.box, tensors))
             commit = p.Commit(fragment, fragment, None, (), payload, None, self.learner)
             # Payloads before the records that point at them. False: another writer's

@@ -21,6 +21,9 @@ What travels, and how (each tensor's ``kind`` is in the manifest, :class:`Tensor
 - **everything else keeps its local value**: buffers that are not floating point
   (BatchNorm's ``num_batches_tracked``, integer counters, masks) and non-persistent buffers
   (caches a module recomputes, outside its ``state_dict``).
+- **tied names** (one tensor under two names: ``lm_head.weight`` is ``wte.weight``): the
+  tensor travels once, under the name ``named_parameters`` lists; the other names are the
+  manifest's ``aliases`` (:attr:`ModelLayout.aliases`), for ``gradientmail align --out``.
 
 The layout is fixed when it is made: a parameter frozen or unfrozen later is not followed.
 
@@ -45,7 +48,7 @@ from gradientmail.algorithms.base import Algorithm
 from gradientmail.errors import ProtocolError
 from gradientmail.payload import can_send
 from gradientmail.payload.buffers import BufferPool
-from gradientmail.wire import BUFFER, FROZEN, PARAM, Manifest, TensorSpec
+from gradientmail.wire import BUFFER, FROZEN, OUTER_DTYPE, PARAM, Manifest, TensorSpec, outer_specs
 
 __all__ = ["ModelLayout", "Transfer"]
 
@@ -110,7 +113,7 @@ class ModelLayout:
             elif kind == BUFFER:
                 members[current].append(name)
         frozen = [name for kind, name in tensors.order if kind == FROZEN]
-        self._setup(tensors, members, frozen, transfer)
+        self._setup(tensors, members, frozen, transfer, tensors.aliases)
 
     @classmethod
     def for_run(
@@ -157,7 +160,8 @@ class ModelLayout:
     ) -> ModelLayout:
         members = [[spec.name for spec in fragment] for fragment in manifest.fragments]
         layout = cls.__new__(cls)
-        layout._setup(tensors, members, [spec.name for spec in manifest.frozen], transfer)
+        frozen = [spec.name for spec in manifest.frozen]
+        layout._setup(tensors, members, frozen, transfer, manifest.aliases)
         return layout
 
     def _setup(
@@ -166,10 +170,14 @@ class ModelLayout:
         members: list[list[str]],
         frozen: list[str],
         transfer: Transfer | None,
+        aliases: Mapping[str, str],
     ) -> None:
         for names in (*members, frozen):
             for name in names:
                 tensors.check(name)
+        travelling = {n for names in (*members, frozen) for n in names}
+        # {further name: listed name} of each tied tensor that travels (the manifest's).
+        self.aliases: dict[str, str] = {a: n for a, n in aliases.items() if n in travelling}
         self.transfer = Transfer() if transfer is None else transfer
         self._owners = {n: tensors.owners[n] for m in members for n in m if n in tensors.owners}
         # Buffers without a module (a layout from a manifest): held here.
@@ -194,6 +202,10 @@ class ModelLayout:
         )
         self.frozen_specs: tuple[TensorSpec, ...] = tuple(
             self._spec(name, FROZEN) for name in self.frozen
+        )
+        # How a run-wide commit stores each fragment (float32: wire.outer_specs).
+        self.outer_specs: tuple[tuple[TensorSpec, ...], ...] = tuple(
+            outer_specs(specs) for specs in self.specs
         )
 
     def _spec(self, name: str, kind: str) -> TensorSpec:
@@ -225,6 +237,7 @@ class ModelLayout:
             fragments=self.specs,
             frozen=self.frozen_specs,
             frozen_payload=frozen_payload,
+            aliases=self.aliases,
         )
 
     @property
@@ -277,8 +290,17 @@ class ModelLayout:
                 self.transfer.synchronize(devices)
             return {n: copies[n] for n in names}
 
+    def outer_copy(self, fragment: int) -> dict[str, torch.Tensor]:
+        """The fragment's tensors as a run-wide commit stores them (an initial commit):
+        host copies in float32 (:data:`~gradientmail.wire.OUTER_DTYPE`; exact from any
+        floating dtype a payload carries)."""
+        outer = getattr(torch, OUTER_DTYPE.removeprefix("torch."))
+        return {n: t.to(dtype=outer) for n, t in self.copy_out(fragment).items()}
+
     def load(self, fragment: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Overwrite the fragment's tensors in place (the optimizer keeps its references)."""
+        """Overwrite the fragment's tensors in place (the optimizer keeps its references).
+        A float32 global loaded into a tensor of another dtype is rounded by ``copy_``:
+        ``Tensor.to``'s round to nearest, ties to even (the one rule, see ``rebase``)."""
         self._load(self.fragments[fragment], tensors)
 
     def load_frozen(self, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -313,6 +335,10 @@ class ModelLayout:
         contributed, or the previous global if it did not contribute. Buffers are loaded
         (``buffer ← new_global``): statistics, not sums of steps. On a device, both host
         tensors move there and the update runs there.
+
+        A tensor in a lower precision than the (float32) global is computed in float32
+        and rounded once, as :meth:`load` rounds: ``param ← round(new_global + (param −
+        anchor))``, so a learner without local progress holds exactly the rounded global.
         """
         buffers = self._buffers[fragment]
         with torch.no_grad():
@@ -327,6 +353,9 @@ class ModelLayout:
                         base = self.transfer.to_device(base, target)
                 if name in buffers:
                     target.copy_(value)
+                elif _rounded(target, value):
+                    # float32 arithmetic, one rounding (bf16 in-place steps round twice).
+                    target.copy_(target.to(dtype=value.dtype).sub_(base).add_(value))
                 else:
                     # In place, no temporaries: a fresh buffer per tensor costs more than the
                     # math.
@@ -348,10 +377,20 @@ class ModelLayout:
                     value = self.transfer.to_device(value, target)
                 if name in buffers:
                     target.copy_(value)
+                elif _rounded(target, value):  # float32 arithmetic, one rounding
+                    target.copy_(
+                        target.to(dtype=value.dtype).mul_(alpha).add_(value, alpha=1.0 - alpha)
+                    )
                 else:
                     target.mul_(alpha).add_(value, alpha=1.0 - alpha)
             if devices:
                 self.transfer.synchronize(devices)
+
+
+def _rounded(target: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether ``value`` (a float32 global) is finer than ``target`` (a bf16/fp16 tensor):
+    then an update of ``target`` is computed in ``value``'s dtype and rounded once."""
+    return target.dtype != value.dtype and value.dtype == torch.float32
 
 
 class _Tensors:
@@ -367,18 +406,26 @@ class _Tensors:
         self.buffers: dict[str, torch.Tensor] = {}
         self.owners: dict[str, tuple[torch.nn.Module, str]] = {}  # buffer -> (module, attr)
         self.order: list[tuple[str, str]] = []
+        # {further name: first name} of a tensor that state_dict holds under several names.
+        self.aliases: dict[str, str] = {}
+        first = {id(t): n for n, t in (*self.params.items(), *every.items())}
         # named_modules, then each module's own members, is the order named_parameters and
         # named_buffers use; a tensor shared by two modules counts where they first list it.
-        for prefix, module in model.named_modules():
+        for prefix, module in model.named_modules(remove_duplicate=False):
             dot = f"{prefix}." if prefix else ""
             for attr, param in module.named_parameters(recurse=False, remove_duplicate=False):
                 listed = self.params.get(dot + attr)
                 if listed is not None and listed is param:  # else listed under another name
                     self.order.append((PARAM if listed.requires_grad else FROZEN, dot + attr))
+                elif param is not None and dot + attr not in self.params:
+                    self.aliases[dot + attr] = first[id(param)]
             transient: set[str] = getattr(module, "_non_persistent_buffers_set", set())
             for attr, buffer in module.named_buffers(recurse=False, remove_duplicate=False):
                 name = dot + attr
                 known = every.get(name)
+                # A persistent buffer listed under another name: an alias.
+                if known is None and attr not in transient and id(buffer) in first:
+                    self.aliases[name] = first[id(buffer)]
                 if known is None or known is not buffer or attr in transient:
                     continue
                 if known.is_floating_point():
@@ -392,6 +439,7 @@ class _Tensors:
         owned by no module."""
         tensors = cls.__new__(cls)
         tensors.params, tensors.buffers, tensors.owners, tensors.order = {}, {}, {}, []
+        tensors.aliases = dict(manifest.aliases)
         for spec in (*(s for fragment in manifest.fragments for s in fragment), *manifest.frozen):
             value = torch.zeros(spec.shape, dtype=getattr(torch, spec.dtype.removeprefix("torch.")))
             if spec.kind == BUFFER:

@@ -83,7 +83,7 @@ async def verify_commit(box: Mailbox, r: int, manifest: p.Manifest | None = None
     if commit.fragment != fragment:
         raise ProtocolError(f"{key}: fragment {commit.fragment}, but round {r} carries {fragment}")
     if commit.stored:  # it decodes: that is the check (what it holds is compared below)
-        await retrying(partial(get_tensors, box, commit.params, specs))
+        await retrying(partial(get_tensors, box, commit.params, p.outer_specs(specs)))
     if r < fragments:
         if commit.contributors or commit.base is not None:
             raise ProtocolError(f"{key}: an initial commit must have no base or contributors")

@@ -47,6 +47,11 @@ differs from the run's is refused at join, naming both values),
 and ``env.barrier().wait("start", parties=env.parties("start"))`` lines nodes up.
 
 The built-in node (``python -m gradientmail.demo.node``) reads it the same way.
+
+A node of ``spec.procsPerNode`` P > 1 (:mod:`gradientmail.launch.ranks`) gives each of its
+P ranks this same environment, so every rank is the same learner, plus torchrun's
+(``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``,
+``MASTER_ADDR``, ``MASTER_PORT``).
 """
 
 from __future__ import annotations

@@ -6,14 +6,16 @@ so does ``gradientmail run -f run.yaml``: a spec the CRD accepts is a spec both 
 and an unknown field is refused by name.
 
 The pure derivations from a spec to what a node sees (:func:`mailbox_url`,
-:func:`learner_id`, :func:`node_env`) live here too, so the operator's pods and
-``gradientmail run``'s local processes get the same environment.
+:func:`learner_id`, :func:`node_env`, :func:`ranks_problem`: which commands may run as
+``procsPerNode`` ranks) live here too, so the operator's pods and ``gradientmail run``'s
+local processes get the same environment.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 from urllib.parse import urlencode, urlsplit, urlunsplit
 
@@ -28,6 +30,7 @@ from pydantic import (
 
 from gradientmail import settings
 from gradientmail.launch.env import LM_VAR, TASK_VAR, NodeEnv
+from gradientmail.launch.ranks import RANKS_MODULE
 from gradientmail.settings import Setting, camel, compression_to_text
 
 GROUP = "gradientmail.dev"
@@ -509,6 +512,10 @@ class AlgorithmSpec(_Model):
         return ", ".join(parts)
 
 
+_PROCS = settings.LAUNCH["procs_per_node"]
+GPU_RESOURCE = "nvidia.com/gpu"
+
+
 class GradientMailRunSpec(_Model):
     """A training run: ``nodes`` pods that meet only in the mailbox."""
 
@@ -522,6 +529,13 @@ class GradientMailRunSpec(_Model):
         "(right after step N).",
     )
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
+    procs_per_node: int = Field(
+        default=_PROCS.default,
+        description=_PROCS.description
+        + f" A pod runs `python -m {RANKS_MODULE} --procs P -- COMMAND`; give it P GPUs "
+        "(template.resources nvidia.com/gpu: P) where ranks use one each.",
+        json_schema_extra=_bounds(_PROCS) or None,
+    )
     max_restarts: int = Field(default=3, ge=0, description="Failed pods replaced, run-wide.")
     cleanup_policy: Literal["Retain", "Delete"] = Field(
         default="Retain", description="What happens to the run's prefix on deletion."
@@ -536,6 +550,31 @@ class GradientMailRunSpec(_Model):
                     f"barrier name {name!r} must be 1-63 characters of A-Z a-z 0-9 . _ -"
                 )
         return barriers
+
+    @field_validator("procs_per_node", mode="before")
+    @classmethod
+    def _procs(cls, value: Any) -> Any:
+        # The registry's rule (a bool or a float is not a count; the CRD says minimum 1).
+        if not _PROCS.valid(value):
+            raise ValueError(f"must be {_PROCS.rule()}")
+        return value
+
+    @model_validator(mode="after")
+    def _gpus_per_rank(self) -> GradientMailRunSpec:
+        # Each rank takes the GPU of its LOCAL_RANK: a pod given another number of GPUs
+        # would leave some idle or put two ranks on one.
+        resources = self.template.resources
+        if self.procs_per_node == 1 or resources is None:
+            return self
+        for part in ("limits", "requests"):
+            given = (getattr(resources, part) or {}).get(GPU_RESOURCE)
+            if given is not None and str(given) != str(self.procs_per_node):
+                raise ValueError(
+                    f"template.resources.{part} {GPU_RESOURCE}: {given} but procsPerNode is "
+                    f"{self.procs_per_node}; each rank of a node uses one GPU (its "
+                    f"LOCAL_RANK): ask for {self.procs_per_node}, or leave GPUs out"
+                )
+        return self
 
     @model_validator(mode="after")
     def _node_settings_once(self) -> GradientMailRunSpec:
@@ -554,6 +593,28 @@ class GradientMailRunSpec(_Model):
 
 
 # -- from a spec to what each node sees (the operator and ``gradientmail run``) -------------
+
+
+_BUILTIN_MODULES = ("gradientmail.demo.node", "gradientmail.node")
+
+
+def runs_builtin_node(command: Sequence[str]) -> bool:
+    """Whether ``command`` runs the built-in node (``python -m gradientmail.demo.node``, by
+    any interpreter, or its old path ``gradientmail.node``)."""
+    words = list(command)
+    return any(words[i] == "-m" and words[i + 1] in _BUILTIN_MODULES for i in range(len(words) - 1))
+
+
+def ranks_problem(procs: int, command: Sequence[str]) -> str | None:
+    """Why ``command`` cannot run as ``procs`` ranks per node (None when it can): the
+    built-in node is one process per node, it does not join a torch.distributed group."""
+    if procs > 1 and runs_builtin_node(command):
+        return (
+            f"procsPerNode {procs}: the built-in node ({' '.join(command)}) runs one process "
+            "per node; give a command of your own (a script that uses torch.distributed) or "
+            "procsPerNode 1"
+        )
+    return None
 
 
 def mailbox_url(spec: GradientMailRunSpec, prefix: str) -> str:

@@ -255,6 +255,18 @@ def _deliver(sink: Sink, found: list[tuple[str, int, torch.Tensor]]) -> None:
 _pool: ThreadPoolExecutor | None = None
 
 
+def _forget_pool() -> None:
+    global _pool
+    _pool = None
+
+
+# A forked child inherits the pool object but none of its threads: the pool, counting its
+# workers as alive, would never start new ones, and every transfer in the child would wait
+# for ever on a queue nobody serves (seen: learners forked from a process that had synced
+# before hung at their first round). The child starts a pool of its own instead.
+os.register_at_fork(after_in_child=_forget_pool)
+
+
 def workers() -> ThreadPoolExecutor:
     """The payload worker threads (hashing, joining, copying): a few, shared by every
     transfer of the process, so the allocator's per-thread arenas stay few too."""

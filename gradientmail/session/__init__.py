@@ -10,6 +10,9 @@
   commits);
 - ``_comm.py``: :class:`Communication`, the background threads: the communication loop
   (publish through the exchange, lease, close) and the syncer (the exchange's poll);
+- ``_ranks.py``: :class:`RankGroup`, a learner made of many ranks (``torch.distributed``,
+  DDP): rank 0 alone talks to the mailbox and, after every call, the others receive the
+  tensors it replaced (one fixed sequence of collectives); ``RanksFailed`` when a rank died;
 - ``_resume.py``: :class:`Resume`, resume saves (``optimizer=``): the optimizer's state
   and the counters stored every few sync points and loaded when the learner restarts;
   ``_optstate.py``: an optimizer's ``state_dict()`` as tagged JSON and tensors (no pickle).

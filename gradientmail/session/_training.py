@@ -124,8 +124,11 @@ class TrainingLoop:
         with self.shared.lock:
             self.shared.counters.sync_points += 1
             busy = fragment in self.shared.inflight
-            if busy and self.free_running:
+            failure = self.shared.inflight[fragment].failure if busy else None
+            if busy and self.free_running and failure is None:
                 self.shared.counters.skipped_syncs += 1
+        if failure is not None:
+            raise failure  # nobody can make its previous round (engine/failures.py)
         if busy:
             if self.free_running:
                 self.shared.emit(
@@ -190,7 +193,9 @@ class TrainingLoop:
 
     def _await(self, fragment: int, deadline: float) -> bool:
         """Hold the training thread until ``fragment`` has nothing in flight (its commit
-        applied, or its publish failed), or until ``deadline``; False when it gave up."""
+        applied, or its publish failed), or until ``deadline``; False when it gave up.
+        Raises the in-flight round's failure when nobody can make it (``RoundImpossible``,
+        found by the communication thread: ``engine/failures.py``)."""
         with self.shared.lock:
             pending = self.shared.inflight.get(fragment)
         if pending is None:
@@ -206,11 +211,16 @@ class TrainingLoop:
             self._apply_staged()
             with self.shared.lock:
                 done = self.shared.inflight.get(fragment) is not pending
+                failure = pending.failure
             left = deadline - time.monotonic()
-            if done or left <= 0:
+            if done or failure is not None or left <= 0:
                 break
             self.shared.changed.wait(min(left, 0.5))
         seconds = time.monotonic() - started
+        if failure is not None and not done:
+            with self.shared.lock:
+                self.shared.waiting_since = None
+            raise failure
         with self.shared.lock:
             self.shared.waiting_since = None
             self.shared.counters.waits += 1

@@ -34,17 +34,23 @@ run-wide rounds (``engine/exchange_groups.py``, ``engine/groups.py``): the commu
 publishes to this learner's group of the next group round, closes the group or waits for
 its closer, and stages the group's average; there is no syncer thread (a group commit is
 this learner's own business, nobody else's commits are applied).
+
+A learner of many ranks (``torch.distributed`` initialized, or ``group=``): every rank
+constructs the Session and calls it the same way; rank 0 alone does all of the above, and
+after each call the others receive what it applied (``session/_ranks.py``).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 
 from gradientmail import wire as p
 from gradientmail.algorithms.base import Algorithm
@@ -57,14 +63,15 @@ from gradientmail.engine.exchange import ExchangeContext
 from gradientmail.engine.exchanges import exchange_for
 from gradientmail.engine.join import establish
 from gradientmail.engine.layout import ModelLayout
-from gradientmail.errors import ProtocolError
-from gradientmail.events import Counters, Event, Joined, Left, PollFailed
+from gradientmail.errors import ProtocolError, RanksFailed
+from gradientmail.events import Counters, Event, Following, Joined, Left, PollFailed
 from gradientmail.ledger import GLOBAL
 from gradientmail.mailbox import Mailbox
 from gradientmail.mailbox.metered import Metered
 from gradientmail.payload._malloc import share_arenas
 from gradientmail.payload.buffers import BufferPool
 from gradientmail.session._comm import Communication
+from gradientmail.session._ranks import RankGroup, learner_model
 from gradientmail.session._resume import Resume
 from gradientmail.session._state import Shared, _default_learner_id
 from gradientmail.session._training import TrainingLoop
@@ -192,6 +199,12 @@ class Session:
     apart costs a restart whose earlier life did not leave (crashed, killed) a wait of up
     to 1.5 beat intervals (``lease_timeout / 2``: 7.5 s by default); a first start, or one
     after a clean leave, does not wait.
+
+    ``group``: with ``torch.distributed`` initialized, the ranks of the default process
+    group (or of ``group``) are ONE learner: every rank constructs the Session alike and
+    calls it alike; rank 0 alone talks to the mailbox and every rank holds its parameters
+    bitwise after each call; ``samples`` is each rank's own (``session/_ranks.py``,
+    docs/training.md "A learner of many ranks").
     """
 
     def __init__(
@@ -217,12 +230,22 @@ class Session:
         on_event: Callable[[Event], None] | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         optimizer_every: int | None = None,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         # Everything is validated before anything is written.
         _check_settings(algorithm, mailbox, quorum_size, overlap, mixing, free_running, keep_rounds)
-        self.learner_id = (
-            _default_learner_id() if learner_id is None else p.check_learner_id(learner_id)
-        )
+        if learner_id is not None:
+            p.check_learner_id(learner_id)
+        self.learner_id = _default_learner_id() if learner_id is None else learner_id
+        # A learner of many ranks: every rank goes through the same calls below (no I/O
+        # until the join, which the leader alone makes).
+        self._ranks = ranks = RankGroup.of(group)
+        if ranks is not None and optimizer is not None:
+            raise ValueError(
+                "optimizer= (resume saves) is not supported yet for a learner of several "
+                "ranks; leave it out (the learner then restarts from the run's newest commits)"
+            )
+        self.rank, self.ranks = (0, 1) if ranks is None else (ranks.rank, ranks.size)
         times = _timeouts(
             round_timeout,
             poll_interval,
@@ -258,7 +281,14 @@ class Session:
         self.idle_poll_interval = times.idle_poll
         self.close_timeout = times.close
         self.wait_timeout = times.wait
-        self._layout = ModelLayout(model, algorithm)
+        self._layout = ModelLayout(learner_model(model), algorithm)
+        if ranks is not None:
+            self.learner_id = ranks.agree(
+                learner_id,
+                _default_learner_id,
+                self._layout,
+                {**algorithm.settings(), "overlap": overlap, "mixing": mixing},
+            )
         self._shared = shared = Shared(self.learner_id, self._layout.count, on_event)
         self.events: deque[Event] = shared.events
         self._training = TrainingLoop(
@@ -304,10 +334,20 @@ class Session:
             self._box, p.LEASES, self.learner_id, self._beat_record, times.lease / 3
         )
         self._closed = False
+        self._threads: list[threading.Thread] = []
+        self.creator = False
+        if ranks is not None:
+            self._mirror(lambda: self._talk(times.join), "joining", joined=True)
+            if not ranks.leader:
+                shared.emit(Following(self.learner_id, ranks.rank, ranks.size, self.rounds))
+            return
+        self._talk(times.join)
 
-        self.creator = run_coroutine(self._join(times.join))
+    def _talk(self, join_timeout: float) -> None:
+        """Join the run and start the background threads (a learner's leader rank only)."""
+        self.creator = run_coroutine(self._join(join_timeout))
         self._threads = Communication(
-            shared,
+            self._shared,
             self._exchange,
             self._box,
             self._tracker,
@@ -334,7 +374,10 @@ class Session:
             raise ValueError(f"step(samples={samples!r}): samples must be an int >= 1")
         if self._closed:
             raise RuntimeError("step() on a closed Session")
-        if self._training.step(samples) and self._resume.optimizer is not None:
+        if self._ranks is not None:
+            ranks = self._ranks
+            self._ranked(lambda: ranks.step(samples, self._training, self._layout))
+        elif self._training.step(samples) and self._resume.optimizer is not None:
             self._resume.point()
 
     def sync(self, timeout: float | None = None) -> tuple[int, ...]:
@@ -348,12 +391,10 @@ class Session:
         if self._closed:
             raise RuntimeError("sync() on a closed Session")
         limit = self.wait_timeout if timeout is None else float(timeout)
-        waiting = self._training.contribute_all(time.monotonic() + limit)
-        if waiting:
-            raise TimeoutError(
-                f"Session.sync(): rounds {waiting} of learner {self.learner_id} were not "
-                f"applied within {limit:.0f} s"
-            )
+        if self._ranks is not None:
+            self._mirror(lambda: self._contribute_all(limit, "sync"), "sync()")
+        else:
+            self._contribute_all(limit, "sync")
         return self.rounds
 
     def close(self, timeout: float | None = None) -> None:
@@ -362,8 +403,22 @@ class Session:
         if self._closed:
             return
         limit = self.close_timeout if timeout is None else timeout
+        if self._ranks is not None and not self._ranks.leader:
+            # What the leader's close applied, and what it raised (a follower has no threads,
+            # lease or resume save of its own).
+            self._closed = True
+            self._mirror(lambda: None, "close()")
+            return
+        late: TimeoutError | None = None
         try:
-            waiting = self._training.contribute_all(time.monotonic() + limit)
+            if self._ranks is None:
+                self._contribute_all(limit, "close")
+            else:
+                # Before the threads stop and the leaving beat: the followers receive the
+                # last commits, or the close's TimeoutError.
+                self._mirror(lambda: self._contribute_all(limit, "close"), "close()")
+        except TimeoutError as exc:
+            late = exc  # raised once this learner left
         finally:
             self._closed = True
             self._shared.stop.set()
@@ -371,12 +426,25 @@ class Session:
                 thread.join(timeout=60)
         self._resume.at_close()
         self._leave()
-        self._shared.emit(Left(self.learner_id, clean=not waiting))
-        if waiting:
+        self._shared.emit(Left(self.learner_id, clean=late is None))
+        if late is not None:
+            raise late
+
+    def _contribute_all(self, limit: float, call: str) -> None:
+        """Contribute every fragment's steps not yet contributed and wait for the commits;
+        ``TimeoutError`` after ``limit`` seconds (``call``: sync or close)."""
+        waiting = self._training.contribute_all(time.monotonic() + limit)
+        if not waiting:
+            return
+        if call == "sync":
             raise TimeoutError(
-                f"Session.close(): rounds {waiting} of learner {self.learner_id} did not "
-                f"commit within {limit:.0f} s; their contributions may be lost"
+                f"Session.sync(): rounds {waiting} of learner {self.learner_id} were not "
+                f"applied within {limit:.0f} s"
             )
+        raise TimeoutError(
+            f"Session.close(): rounds {waiting} of learner {self.learner_id} did not "
+            f"commit within {limit:.0f} s; their contributions may be lost"
+        )
 
     def __enter__(self) -> Session:
         return self
@@ -413,11 +481,32 @@ class Session:
         if self._closed:
             return
         self._closed = True
+        if self._ranks is not None and not self._ranks.leader:
+            return  # a follower: nothing in the mailbox to leave
         self._shared.stop.set()
         for thread in self._threads:
             thread.join(timeout=60)
         self._leave()
         self._shared.emit(Left(self.learner_id, clean=False))
+
+    # -- a learner of many ranks -----------------------------------------------------------
+
+    def _mirror(self, call: Callable[[], object], what: str, *, joined: bool = False) -> None:
+        """``call`` on the leader rank, and its outcome on every rank (``_ranks.py``)."""
+        ranks = self._ranks
+        assert ranks is not None
+        self._ranked(
+            lambda: ranks.mirror(call, self._training, self._layout, what=what, joined=joined)
+        )
+
+    def _ranked(self, collective: Callable[[], object]) -> None:
+        """Run ``collective``; when the ranks of this learner fail (one died), leave the run
+        without contributing (the leader writes its leaving beat) and raise."""
+        try:
+            collective()
+        except RanksFailed:
+            self._abandon()
+            raise
 
     # -- joining -----------------------------------------------------------------------------
 

@@ -9,7 +9,8 @@ run`` and ``inspect`` derive from it.
 - ``_catalog.py``: the entries: ``ALGORITHMS`` (diloco, sparseloco, moshpit),
   ``COMPRESSORS`` (topk, cast, quantize), ``SESSION`` (quorum, round_timeout, overlap,
   mixing, keep_rounds, with the exchanges they apply to), ``NODE`` (the built-in node's
-  steps and task) and ``LM_SIZES`` (its language model's sizes).
+  steps and task), ``LM_SIZES`` (its language model's sizes) and ``LAUNCH`` (how each
+  node is launched: procs_per_node, the run's ``spec.procsPerNode``).
 - ``_text.py``: a compressor's settings as one line (``topk:density=0.05,bits=4``), as the
   node environment carries them.
 
@@ -25,6 +26,7 @@ from typing import Any
 from gradientmail.settings._catalog import (
     ALGORITHMS,
     COMPRESSORS,
+    LAUNCH,
     LM_SIZES,
     MAX_GRID_DIMS,
     MAX_GROUP_SIZE,
@@ -44,6 +46,7 @@ from gradientmail.settings._text import compression_from_text, compression_to_te
 __all__ = [
     "ALGORITHMS",
     "COMPRESSORS",
+    "LAUNCH",
     "LM_SIZES",
     "MAX_GRID_DIMS",
     "MAX_GROUP_SIZE",
@@ -124,11 +127,11 @@ def dense_every(settings: Mapping[str, Any]) -> int:
 def owners(setting: str) -> tuple[str, ...]:
     """The algorithms a run-level setting applies to (an algorithm field, ``compression``,
     or a Session setting by the exchanges it serves), in registry order; every algorithm
-    for the built-in node's settings."""
+    for the built-in node's settings and the launch's."""
     if setting in SESSION:
         exchanges = SESSION[setting][1]
         return tuple(n for n, info in ALGORITHMS.items() if info.exchange in exchanges)
-    if setting in NODE or setting == "lm":
+    if setting in NODE or setting in LAUNCH or setting == "lm":
         return tuple(ALGORITHMS)
     return tuple(n for n, info in ALGORITHMS.items() if setting in info.names)
 

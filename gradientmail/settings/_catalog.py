@@ -235,3 +235,16 @@ LM_SIZES: dict[str, Setting] = {
         Setting("batch", "int", 12, "Windows per batch.", ge=1),
     )
 }
+
+# How every node of a run is launched (the run's own fields: spec.procsPerNode, not the
+# algorithm section's): the same for every algorithm.
+_PROCS_PER_NODE = Setting(
+    "procs_per_node",
+    "int",
+    1,
+    "Processes per node: with P > 1 each node runs its command as P local ranks with "
+    "torchrun's environment (RANK, WORLD_SIZE=P, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), one "
+    "learner whose ranks live and die together.",
+    ge=1,
+)
+LAUNCH: dict[str, Setting] = {_PROCS_PER_NODE.name: _PROCS_PER_NODE}

@@ -8,6 +8,11 @@ module computes the same two steps on whole tensors held in memory: :func:`weigh
 the closer's; the tests check exactly that, and ``gm.DiLoCo.combine`` (the quality
 benchmark's in-process reference) is this :func:`combine`.
 
+As in a run, ``base`` (the previous global parameters) and the state are float32 whatever
+the model's dtype (``wire.OUTER_DTYPE``); the contributions are what learners hold, in the
+model's dtypes. A learner then loads the new float32 global into its parameters rounded by
+``Tensor.to`` (``ModelLayout.load``).
+
 Imports torch (``import gradientmail.testing`` does not load this module).
 """
 
@@ -52,8 +57,16 @@ def weighted_sum(
             sums[name] = acc
         compressed = compression_of(algorithm)
         if compressed is not None:
+            # A buffer travels dense in the model's dtype, which the (float32) globals in
+            # ``like`` need not have: its spec takes the first contribution's.
+            first = ordered[0][2] if ordered else {}
             specs = [
-                TensorSpec(name, tuple(v.shape), str(v.dtype), BUFFER if name in buffers else PARAM)
+                TensorSpec(
+                    name,
+                    tuple(v.shape),
+                    str(first[name].dtype if name in buffers and name in first else v.dtype),
+                    BUFFER if name in buffers else PARAM,
+                )
                 for name, v in like.items()
             ]
             flat = {name: acc.view(size=(-1,)) for name, acc in sums.items()}

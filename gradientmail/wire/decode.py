@@ -23,6 +23,7 @@ from gradientmail.wire.keys import (
 from gradientmail.wire.records import (
     BUFFER,
     FROZEN,
+    OUTER_DTYPE,
     PARAM,
     Beat,
     Claim,
@@ -31,6 +32,7 @@ from gradientmail.wire.records import (
     CreatorClaim,
     Exclusion,
     Manifest,
+    RoundFailure,
     Snapshot,
     TensorSpec,
     Totals,
@@ -158,13 +160,42 @@ def decode_manifest(key: str, data: bytes | None) -> Manifest:
     frozen_payload = reader.opt_text("frozen_payload")
     if frozen_payload is not None:
         blob_sha(frozen_payload)
-    return Manifest(
+    listed = {spec.name for specs in (*fragments, frozen) for spec in specs}
+    aliases = reader.mapping("aliases") if "aliases" in reader.obj else {}
+    for alias, name in aliases.items():
+        if not isinstance(name, str) or name not in listed or alias in listed:
+            raise ProtocolError(
+                f"{key}: alias {alias!r} -> {name!r}: an alias must name a tensor the manifest "
+                "lists, under a name it does not list"
+            )
+    manifest = Manifest(
         reader.text("creator"),
         reader.mapping("algorithm"),
         tuple(fragments),
         frozen=frozen,
         frozen_payload=frozen_payload,
+        aliases=aliases,
     )
+    _check_outer_dtype(key, reader.opt_text("outer_dtype"), manifest)
+    return manifest
+
+
+def _check_outer_dtype(key: str, outer: str | None, manifest: Manifest) -> None:
+    """The commits of a run are readable here: stored in :data:`OUTER_DTYPE`, which the
+    manifest names whenever a model's tensor has another dtype (``Manifest``)."""
+    if outer is not None and outer != OUTER_DTYPE:
+        raise ProtocolError(
+            f"{key}: commits store {outer}; this GradientMail keeps the outer state in "
+            f"{OUTER_DTYPE}. Upgrade every node to the same release."
+        )
+    if outer is None and manifest.stores_other_dtypes:
+        found = {spec.dtype for fragment in manifest.fragments for spec in fragment}
+        raise ProtocolError(
+            f"{key}: this run was created by a GradientMail release that stored commits in "
+            f"the model's dtypes ({', '.join(sorted(found - {OUTER_DTYPE}))}); this release "
+            f"keeps them in {OUTER_DTYPE} and cannot read that run. Finish it with the "
+            "release that created it, or start a new run."
+        )
 
 
 def _spec(key: str, where: str, item: object, kinds: tuple[str, ...]) -> TensorSpec:
@@ -263,6 +294,18 @@ def decode_snapshot(key: str, data: bytes | None) -> Snapshot:
 @_names_key
 def decode_claim(key: str, data: bytes | None) -> Claim:
     return Claim(_Reader(key, data).text("learner"))
+
+
+@_names_key
+def decode_failure(key: str, data: bytes | None) -> RoundFailure:
+    reader = _Reader(key, data)
+    reader.format()
+    return RoundFailure(
+        reader.integer("round"),
+        check_learner_id(reader.text("closer")),
+        reader.integer("attempt"),
+        reader.text("reason"),
+    )
 
 
 def _beat_count(reader: _Reader, name: str) -> int:

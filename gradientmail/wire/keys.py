@@ -12,6 +12,9 @@ key                                 written by      holds
 ``rounds/{r:010d}``                 round closer    Commit: the round's result
 ``snapshots/{r:010d}/{learner}``    learner         Snapshot: a contribution to round r
 ``claims/{r:010d}/{attempt:04d}``   closer          Claim: elects round r's closer
+``claims/{r:010d}/failed``          closer          RoundFailure: round r cannot be made by
+                                                    anyone (a fault in the run's data); every
+                                                    learner in it raises the reason
 ``leases/{learner}/{beat:010d}``    learner         Beat: heartbeat; newest key wins
 ``resume/{learner}/{save:010d}``    learner         ResumeState: its optimizer state and
                                                     counters (``Session(optimizer=...)``)
@@ -103,6 +106,12 @@ def claims_prefix(r: int) -> str:
 
 def claim_key(r: int, attempt: int) -> str:
     return f"{claims_prefix(r)}{attempt:0{_ATTEMPT_WIDTH}d}"
+
+
+def failure_key(r: int) -> str:
+    """Round ``r``'s failure record: beside its claims, so a closer's listing of them finds
+    it without another request (``claim_round`` is None for it: no claim attempt)."""
+    return f"{claims_prefix(r)}failed"
 
 
 def parse_claim_attempt(key: str) -> int:

@@ -6,8 +6,8 @@ the problem. Which key holds which record: ``keys.py``.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, NotRequired, TypedDict, TypeVar
 
 from gradientmail.wire.keys import (
@@ -34,6 +34,11 @@ class ManifestWire(TypedDict):
     # Frozen parameters (added later; omitted when the model has none, and before then).
     frozen: NotRequired[list[TensorSpecWire]]
     frozen_payload: NotRequired[str]
+    # The dtype run-wide commits store every fragment tensor in (added with float32 outer
+    # state; written when the model has a tensor in another dtype: see Manifest).
+    outer_dtype: NotRequired[str]
+    # Tied names (added later; omitted when the model ties nothing, and before then).
+    aliases: NotRequired[dict[str, str]]
 
 
 class ContributionWire(TypedDict):
@@ -89,6 +94,14 @@ class ClaimWire(TypedDict):
     learner: str
 
 
+class RoundFailureWire(TypedDict):
+    format: int
+    round: int
+    closer: str
+    attempt: int
+    reason: str
+
+
 class BeatWire(TypedDict):
     learner: str
     steps: int
@@ -111,6 +124,20 @@ PARAM = "param"
 BUFFER = "buffer"
 FROZEN = "frozen"
 TENSOR_KINDS = (PARAM, BUFFER, FROZEN)
+
+OUTER_DTYPE = "torch.float32"
+"""The dtype of the outer state, whatever the model's: a run-wide commit (``rounds/{r}``)
+stores its fragment's global parameters, buffers and outer momentum in it (a bfloat16
+global would round small outer steps away). What a learner loads into a parameter of
+another dtype is the float32 global rounded by ``Tensor.to`` (round to nearest, ties to
+even). Contributions (snapshots) and Moshpit group commits, averages of what learners
+hold, stay in the model's dtypes."""
+
+
+def outer_specs(specs: Sequence[TensorSpec]) -> tuple[TensorSpec, ...]:
+    """``specs`` as a run-wide commit stores them: each in :data:`OUTER_DTYPE`. The one
+    rule every reader of a commit's payload (closer, syncer, verify, align, chains) uses."""
+    return tuple(replace(spec, dtype=OUTER_DTYPE) for spec in specs)
 
 
 @dataclass(frozen=True)
@@ -155,6 +182,21 @@ class Manifest:
     (every node loads them at join, ``align`` too), or is ``None`` when the creator did not
     store them (each node then keeps its own). Both are left out of the wire when empty, so
     a manifest without frozen parameters is what earlier releases wrote.
+
+    The specs give the model's dtypes; run-wide commits store every fragment tensor in
+    :data:`OUTER_DTYPE` (:func:`outer_specs`). The wire says so (``outer_dtype``) whenever
+    that differs from a tensor's own dtype: releases before float32 outer state stored
+    commits in the model's dtypes, and their manifests lack the field, so such a run is
+    refused by name when read (``decode_manifest``) rather than misread. A float32 model's
+    commits are the same bytes under either rule, so its manifest leaves the field out
+    and reads as before.
+
+    ``aliases``: ``{name: listed name}`` for each further name under which the model's
+    ``state_dict`` holds a listed tensor (tied weights: GPT-2's ``lm_head.weight`` is its
+    ``transformer.wte.weight``). A tied tensor travels once, under its first name; the
+    aliases let ``gradientmail align --out`` write every name ``state_dict`` has. Left out
+    of the wire when empty (and absent from runs created before it existed); not compared
+    by :meth:`differences`: a model tied differently already lists different tensors.
     """
 
     creator: str
@@ -163,6 +205,7 @@ class Manifest:
     format: int = FORMAT_VERSION
     frozen: tuple[TensorSpec, ...] = ()
     frozen_payload: str | None = None
+    aliases: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def num_fragments(self) -> int:
@@ -179,7 +222,17 @@ class Manifest:
             wire["frozen"] = [t.to_wire() for t in self.frozen]
         if self.frozen_payload is not None:
             wire["frozen_payload"] = self.frozen_payload
+        if self.aliases:
+            wire["aliases"] = dict(sorted(self.aliases.items()))
+        if self.stores_other_dtypes:
+            wire["outer_dtype"] = OUTER_DTYPE
         return wire
+
+    @property
+    def stores_other_dtypes(self) -> bool:
+        """Whether commits store a fragment tensor in another dtype than the model's (one
+        not in :data:`OUTER_DTYPE`): then the wire names ``outer_dtype``."""
+        return any(spec.dtype != OUTER_DTYPE for fragment in self.fragments for spec in fragment)
 
     def differences(self, other: Manifest) -> list[str]:
         """Human-readable differences in algorithm settings and model layout (each tensor's
@@ -375,6 +428,30 @@ class Claim:
 
     def to_wire(self) -> ClaimWire:
         return {"learner": self.learner}
+
+
+@dataclass(frozen=True)
+class RoundFailure:
+    """Round ``round`` cannot be made by anyone: its closer (``closer``, claim ``attempt``)
+    failed the same way on every try for a reason in the run's data (a payload whose dtype
+    or shape is not the run's, a record that breaks the protocol), not the store's. Created
+    once, beside the round's claims (``keys.failure_key``); every learner in the round
+    raises ``reason`` from ``step()``."""
+
+    round: int
+    closer: str
+    attempt: int
+    reason: str
+    format: int = FORMAT_VERSION
+
+    def to_wire(self) -> RoundFailureWire:
+        return {
+            "format": self.format,
+            "round": self.round,
+            "closer": self.closer,
+            "attempt": self.attempt,
+            "reason": self.reason,
+        }
 
 
 @dataclass(frozen=True)

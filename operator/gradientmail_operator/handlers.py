@@ -188,7 +188,8 @@ def _spec(body: kopf.Body) -> tuple[GradientMailRunSpec | None, str | None]:
         spec = GradientMailRunSpec.model_validate(raw)
     except ValidationError as exc:
         return None, _describe(exc)
-    problems = [] if SHARED_FILES else render.cluster_problems(spec)
+    problems = render.launch_problems(spec)
+    problems += [] if SHARED_FILES else render.cluster_problems(spec)
     if problems:
         return None, "; ".join(problems)
     return spec, None

@@ -1,6 +1,12 @@
 """Pure functions from a GradientMailRun to what should exist: the prefix, the pods.
 
 No I/O here, so every decision is unit-tested without a cluster.
+
+A run of ``spec.procsPerNode`` P > 1 gets pods whose container runs
+``python -m gradientmail.launch.ranks --procs P -- COMMAND`` (the template's command; its
+args stay args): the launcher ``gradientmail run`` uses too, starting P ranks with
+torchrun's environment and the pod's one learner id. GPUs are the template's to ask for
+(``resources`` ``nvidia.com/gpu``: P when given; the spec refuses another count).
 """
 
 from __future__ import annotations
@@ -12,7 +18,8 @@ from copy import deepcopy
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from gradientmail.launch.runspec import GROUP, KIND, VERSION, GradientMailRunSpec
+from gradientmail.launch.ranks import launcher_command
+from gradientmail.launch.runspec import GROUP, KIND, VERSION, GradientMailRunSpec, ranks_problem
 
 # The derivations shared with ``gradientmail run`` live with the spec models.
 from gradientmail.launch.runspec import learner_id as learner_id
@@ -104,6 +111,21 @@ def _under(path: str, mount_path: str) -> bool:
     return mount_path == "/" or path == mount_path or path.startswith(mount_path + "/")
 
 
+def launch_problems(spec: GradientMailRunSpec) -> list[str]:
+    """What makes ``spec``'s pods unable to start their command as ``procsPerNode`` ranks
+    (the built-in node is one process per node), wherever the pods run; empty when fit."""
+    template = spec.template
+    if spec.procs_per_node > 1 and not template.command:
+        # The launcher becomes the container's command: the image's entrypoint would not run.
+        return [
+            f"template.command is empty and procsPerNode is {spec.procs_per_node}: the pod "
+            "runs the ranks' launcher in place of the image's entrypoint; give the command "
+            "the ranks run in template.command"
+        ]
+    problem = ranks_problem(spec.procs_per_node, [*template.command, *template.args])
+    return [] if problem is None else [f"template.command: {problem}"]
+
+
 def cluster_problems(spec: GradientMailRunSpec) -> list[str]:
     """What makes ``spec`` unfit for node pods on a cluster, though the model accepts it
     (``gradientmail run`` runs the same spec as local processes); empty when fit.
@@ -176,7 +198,11 @@ def pod_manifest(
     container: dict[str, Any] = {
         "name": "node",
         "image": template.image,
-        "command": list(template.command),
+        "command": (
+            list(template.command)
+            if spec.procs_per_node == 1
+            else launcher_command(spec.procs_per_node, template.command)
+        ),
         "args": list(template.args),
         "env": env,
         "securityContext": deepcopy(
