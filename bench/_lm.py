@@ -7,11 +7,20 @@ The data, the model (``TinyLM``), the training step and the evaluation are
 zero latency through ``gm.DiLoCo.combine`` itself, the library's fragment schedule),
 ``reference-late`` (every outer step applied ``late`` inner steps late, the local progress
 kept as ``rebase`` does) and ``solo-average`` (no syncs, one average at the end), over
-N = ``len(shards)`` learners.
+N = ``len(shards)`` learners; the model in any floating dtype (:func:`build_model`: a
+bfloat16 learner's arms), its learners of one rank or of several (:func:`ranks_train_step`:
+what DDP ranks compute, in one process).
+
+A learner of P ranks (the ``diloco-ddp`` arm) draws the batch a learner of one rank draws
+and each rank trains on its slice of it (:func:`rank_slice`), so the learner sees the same
+samples; :func:`join_ranks` forms its process group (gloo, rendezvous on a free loopback
+port per learner).
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -19,12 +28,25 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from gradientmail.demo import lm
 from gradientmail.demo.lm import ModelSize
 
-__all__ = ["LEARNERS", "ModelSize", "Sizes", "learner_id", "load_data", "run_inprocess"]
+__all__ = [
+    "LEARNERS",
+    "ModelSize",
+    "Sizes",
+    "build_model",
+    "join_ranks",
+    "learner_id",
+    "load_data",
+    "params_digest",
+    "rank_slice",
+    "ranks_train_step",
+    "run_inprocess",
+]
 
 LEARNERS = lm.SHARDS  # M: one learner per shard
 
@@ -89,6 +111,80 @@ def learner_id(i: int) -> str:
     return f"learner-{i}"
 
 
+def build_model(size: ModelSize, sizes: Sizes, dtype: str = "float32", seed: int = 0) -> nn.Module:
+    """The arms' model (``lm.build_model``, seeded ``sizes.seed + seed``) with its parameters
+    in ``dtype`` (``"bfloat16"``: rounded from the float32 initial values)."""
+    model = lm.build_model(size, sizes.context, sizes.seed + seed)
+    return model if dtype == "float32" else model.to(dtype=getattr(torch, dtype))
+
+
+# -- learners of many ranks ------------------------------------------------------------------
+
+
+def rank_slice(tokens: torch.Tensor, rank: int, ranks: int) -> torch.Tensor:
+    """Rank ``rank`` of ``ranks``'s part of a learner's batch: its ``batch / ranks`` rows, in
+    rank order (every rank draws the whole batch from the learner's generator)."""
+    if tokens.shape[0] % ranks:
+        raise ValueError(f"batch {tokens.shape[0]} does not split over {ranks} ranks")
+    part = tokens.shape[0] // ranks
+    return tokens[rank * part : (rank + 1) * part]
+
+
+def ranks_train_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, lr: float, ranks: int
+) -> float:
+    """``lm.train_step`` as a learner of ``ranks`` DDP ranks takes it, in one process: each
+    rank's loss on its :func:`rank_slice`, its gradient times ``1 / ranks`` (DDP's reducer
+    scales each rank's gradient so while copying it into the bucket), those summed over the
+    ranks (the all_reduce), then the optimizer step. Bitwise what 2 gloo ranks compute (a
+    sum of two is the same in either order); with more ranks gloo's ring adds in another
+    order. The loss returned is the ranks' mean."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    params = [p for p in model.parameters() if p.requires_grad]
+    total: list[torch.Tensor | None] = [None] * len(params)
+    losses = []
+    for rank in range(ranks):
+        part = rank_slice(tokens, rank, ranks)
+        logits = model(part[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, lm.VOCAB), part[:, 1:].reshape(-1))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # type: ignore[no-untyped-call]
+        for k, p in enumerate(params):
+            assert p.grad is not None
+            scaled = p.grad * (1 / ranks)
+            before = total[k]
+            total[k] = scaled if before is None else before + scaled
+        losses.append(float(loss.detach()))
+    for p, g in zip(params, total, strict=True):
+        p.grad = g
+    optimizer.step()
+    return sum(losses) / ranks
+
+
+def join_ranks(rank: int, ranks: int, port: int, timeout_s: float) -> None:
+    """This process as rank ``rank`` of a learner of ``ranks``: torchrun's variables as
+    ``gradientmail run`` gives them (``launch.ranks.rank_environ``), a gloo group formed
+    on the loopback port the bench chose for this learner."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from gradientmail.launch.ranks import rank_environ
+
+    os.environ.update(rank_environ(rank, ranks, port))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def params_digest(model: nn.Module) -> str:
+    """sha256 of every parameter's bytes in order: the ranks of a learner compare theirs."""
+    digest = hashlib.sha256()
+    for name, p in model.named_parameters():
+        digest.update(name.encode())
+        digest.update(p.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 def tail_mean(losses: Sequence[float]) -> float:
     tail = losses[-max(1, len(losses) // 10) :]
     return sum(tail) / len(tail)
@@ -104,6 +200,8 @@ def run_inprocess(
     sync_every: int = 25,
     fragments: int = 1,
     late: int = 0,
+    dtype: str = "float32",
+    ranks: int = 1,
     tail: bool = False,
     save: Path | None = None,
     progress: Callable[[str], None] = lambda _: None,
@@ -111,7 +209,12 @@ def run_inprocess(
     """``ddp``, ``reference`` (``late`` = 0), ``reference-late`` (``late`` > 0) or
     ``solo-average`` over ``len(shards)`` learners on the ``family``'s model, evaluated at
     the checkpoints. ``tail``: at the end every fragment contributes its steps since its
-    last sync point (what ``close()`` does). ``save``: the final parameters go there."""
+    last sync point (what ``close()`` does). ``save``: the final parameters go there.
+
+    ``dtype``: the model's parameters (``bfloat16``); the outer state, globals and momentum,
+    stays float32 as in a run, and what the copies load is the float32 global rounded by
+    ``copy_`` (``Tensor.to``'s rule, as ``ModelLayout.load``). ``ranks``: each learner of
+    that many DDP ranks (:func:`ranks_train_step`)."""
     import gradientmail as gm
 
     if arm not in ("ddp", "reference", "reference-late", "solo-average"):
@@ -132,24 +235,24 @@ def run_inprocess(
         eval_s += time.perf_counter() - t
         return loss
 
-    copies = [
-        lm.build_model(size, sizes.context, sizes.seed) for _ in range(1 if arm == "ddp" else m)
-    ]
+    copies = [build_model(size, sizes, dtype) for _ in range(1 if arm == "ddp" else m)]
     opts = [lm.make_optimizer(c, sizes.lr) for c in copies]
     params = [dict(c.named_parameters()) for c in copies]
     sync = arm in ("reference", "reference-late")
     algorithm = gm.DiLoCo(sync_every=sync_every, fragments=fragments)
     groups: list[list[str]] = algorithm.split([(n, p.numel()) for n, p in params[0].items()])
     due = {algorithm.offset(f): f for f in range(fragments)}
-    with torch.no_grad():
-        globals_ = [{n: params[0][n].detach().clone() for n in g} for g in groups]
+    with torch.no_grad():  # float32 outer state whatever the model's dtype (wire.OUTER_DTYPE)
+        globals_ = [
+            {n: params[0][n].detach().to(dtype=torch.float32, copy=True) for n in g} for g in groups
+        ]
     momentum: list[dict[str, torch.Tensor] | None] = [None] * fragments
     last_sync = [0] * fragments  # local step of each fragment's last contribution
     # reference-late: (apply after local step, fragment, new global, each copy's snapshot)
     pending: list[tuple[int, int, dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]] = []
     sync_points = rounds = 0
     ids = [learner_id(i) for i in range(m)]
-    eval_model = lm.build_model(size, sizes.context, sizes.seed)
+    eval_model = build_model(size, sizes, dtype)
     eval_params = dict(eval_model.named_parameters())
 
     def combine(f: int, s: int) -> dict[str, torch.Tensor]:
@@ -165,7 +268,11 @@ def run_inprocess(
         with torch.no_grad():  # param <- new global + (param - snapshot), as rebase
             for i in range(m):
                 for n in groups[f]:
-                    params[i][n].add_(new[n]).sub_(snaps[i][n])
+                    p = params[i][n]
+                    if p.dtype == new[n].dtype:
+                        p.add_(new[n]).sub_(snaps[i][n])
+                    else:  # float32 arithmetic, one rounding (ModelLayout.rebase)
+                        p.copy_(p.to(dtype=new[n].dtype).sub_(snaps[i][n]).add_(new[n]))
 
     def global_model() -> nn.Module:
         if arm == "ddp":
@@ -187,7 +294,10 @@ def run_inprocess(
             losses.append(lm.train_step(copies[0], opts[0], tokens, lr))
         else:
             step_losses = [
-                lm.train_step(copies[i], opts[i], batches[i].next(), lr) for i in range(m)
+                lm.train_step(copies[i], opts[i], batches[i].next(), lr)
+                if ranks == 1
+                else ranks_train_step(copies[i], opts[i], batches[i].next(), lr, ranks)
+                for i in range(m)
             ]
             losses.append(sum(step_losses) / m)
         if sync:

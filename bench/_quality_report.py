@@ -31,8 +31,21 @@ SYNC_NOTE = (
     "`Counters.waited_s`. Commit lag: inner steps from a learner's snapshot to the step() "
     "call that applied its round (0 = exact DiLoCo). Samples in final model: the fewest "
     "samples any fragment's commits account for, against the samples trained. Bitwise: the "
-    "aligned model against `reference`'s final parameters (max |difference| otherwise), and "
-    "against `reference-late`'s where there is one."
+    "aligned model against the final parameters of the `reference` of the same H, F, model "
+    "dtype and ranks per learner (`reference-bfloat16`: float32 outer state, loads rounded "
+    "as a learner rounds them; `reference-ddp`: each learner step two half-batch gradients "
+    "averaged as DDP averages them, since a float32 sum over two halves is not the "
+    "gradient of the whole batch bit for bit) (max |difference| otherwise), and against "
+    "`reference-late`'s where there is one."
+)
+RANKS_NOTE = (
+    "Per process (rank) of a learner of several ranks, averaged over the learners: its own "
+    "`session.counters()` bytes and requests to the mailbox over the rounds its learner "
+    "applied (rank 0's `applied`). Rank 0 alone talks to the mailbox; the other ranks move "
+    "0 bytes there and receive each applied fragment from rank 0 by a gloo broadcast "
+    "(`session/_ranks.py`; not counted here). Ranks identical: every learner's ranks ended "
+    "with the same parameters (sha256 of their bytes). vs 1-rank reference: the aligned "
+    "model against `reference` of one rank per learner (whole-batch gradients), where it ran."
 )
 COMPRESSION_NOTE = (
     "Bytes: each learner's `session.counters()` bytes_up and bytes_down (every key kind) "
@@ -213,8 +226,7 @@ def build(
     ddp = {fam: get("ddp" + ("-fast" if fam == "fast" else "")) for fam in ("main", "fast")}
 
     def reference_of(arm: Arm) -> Arm | None:
-        suffix = "-fast" if arm.family == "fast" else ""
-        return get(f"reference{suffix}-H{arm.sync_every}-F{arm.fragments}")
+        return get(arm.reference_key)
 
     def late_of(arm: Arm) -> Arm | None:
         key = arm.key if arm.arm != "diloco-s3" else _file_twin(arms, arm)
@@ -235,12 +247,17 @@ def build(
         ],
         note=QUALITY_NOTE.format(parallel=bench.parallel),
     )
-    order = ["ddp", "reference", "diloco", "diloco-s3", "reference-late", "solo-average"]
+    order = ["ddp", "reference", "reference-bfloat16", "reference-ddp", "diloco"]
+    order += ["diloco-bfloat16", "diloco-ddp", "diloco-s3", "reference-late", "solo-average"]
     ordered = sorted(
         arms.values(),
         key=lambda a: (
             a.family == "fast",
-            order.index(a.arm) if a.arm in order else 3.5 if a.compressed else 2,
+            order.index(a.arm)
+            if a.arm in order
+            else order.index("diloco-s3") + 0.5
+            if a.compressed
+            else order.index("diloco"),
             a.sync_every or 0,
             a.fragments or 0,
             a.overlap if a.overlap is not None else -1,
@@ -258,7 +275,8 @@ def build(
         late = late_of(a) if a.arm.startswith("diloco") else None
         d = ddp[a.family]
         rows.append(
-            h.fields(a, "key arm family setting sync_every fragments overlap late backend")
+            h.fields(a, "key arm family setting sync_every fragments overlap late backend dtype")
+            | h.fields(a, "ranks")
             | ({"algorithm": a.algorithm} if a.compressed else {})
             | {
                 "final_loss": a.final_loss,
@@ -278,7 +296,12 @@ def build(
             continue
         quality.add(
             a.arm + (" (exact)" if a.overlap == 0 else ""),
-            f"tiny {fast_params / 1e3:.0f}K" if a.family == "fast" else f"{main_params / 1e6:.2f}M",
+            (
+                f"tiny {fast_params / 1e3:.0f}K"
+                if a.family == "fast"
+                else f"{main_params / 1e6:.2f}M"
+            )
+            + ("" if a.dtype == "float32" else f" {a.dtype}"),
             a.setting,
             f"{a.final_loss:.4f}",
             h.ratio(a.final_loss, d.final_loss, 3) if d else "-",
@@ -314,6 +337,7 @@ def build(
                 cells = [f"{ys[x]:.3f}" if x in ys else "" for x in checkpoints]
                 curve.add(a.arm, a.setting, *cells)
 
+    rank_table(report, ordered)
     compression_table(report, ordered, sizes)
     targets(report, ordered, default_overlap, reference_of, late_of, ddp)
     report.data.update(
@@ -345,6 +369,50 @@ def build(
             report.notes.append(
                 f"{a.label()}: gm.align loaded something other than the newest commits"
             )
+
+
+def rank_table(report: h.Report, ordered: Sequence[Arm]) -> None:
+    """Learners of several ranks: each rank's mailbox traffic per round (``rank_traffic``)."""
+    multi = [a for a in ordered if a.ranks > 1 and not a.error and a.data.get("ranks")]
+    if not multi:
+        return
+    table = report.table(
+        "Learners of several ranks: mailbox traffic per rank per round",
+        [
+            "arm",
+            "setting",
+            "rank",
+            "rounds applied / learner",
+            "up / round",
+            "down / round",
+            "requests / round",
+            "ranks identical",
+            "max abs diff vs 1-rank reference",
+        ],
+        note=RANKS_NOTE,
+    )
+    rows = []
+    for a in multi:
+        for rank in range(a.ranks):
+            mine = [r for r in a.data["ranks"] if r["rank"] == rank]
+            rounds = h.mean([r["rounds_applied"] for r in mine])
+            per = {
+                k: h.mean([r[k] / r["rounds_applied"] for r in mine if r["rounds_applied"]])
+                for k in ("bytes_up", "bytes_down", "requests")
+            }
+            table.add(
+                a.arm,
+                a.setting,
+                rank,
+                h.num(rounds, "{:.1f}"),
+                h.size(per["bytes_up"]),
+                h.size(per["bytes_down"]),
+                h.num(per["requests"], "{:.1f}"),
+                "yes" if a.data.get("ranks_identical") else "NO",
+                _or_na(a.data.get("max_abs_diff_vs_reference_one_rank"), "{:.2g}".format),
+            )
+            rows.append({"key": a.key, "rank": rank, "rounds_applied": rounds} | per)
+    report.data["ranks"] = rows
 
 
 def contribution_bytes(settings: Mapping[str, Any] | None, numels: Sequence[int]) -> float:

@@ -5,13 +5,20 @@ JOB.json`` (``mode``; the result goes to ``out``, JSON):
   until all ``learners`` joined, the quorum), training its own shard, then ``close()``; its
   counters, time in ``step()``, sync points reached and skipped, each commit's lag in inner
   steps, its algorithm's settings (``make_algorithm``); ``save_params`` keeps its own model.
+  ``dtype``: the model's parameters (``bfloat16``). ``ranks`` > 1: this process is rank
+  ``rank`` of a learner of that many (a gloo group on ``port``, the model in
+  ``DistributedDataParallel``, its slice of the learner's batch; the Session on every rank,
+  the barrier on rank 0 only), and reports the digest of its final parameters.
 - ``evaluate``: as a user would, after the learners finished: ``gm.align`` into a fresh model
   and its validation loss; the loss curve from the run's commits (a Moshpit run's from its
   group rounds: :func:`group_rounds`); the learners' own final models (``learner_params``).
 - ``inprocess``: an arm computed in one process (``_lm.run_inprocess``).
 
 Every mode runs ``torch.set_num_threads(sizes.threads)`` and records which ``gradientmail``
-it imported.
+it imported. ``torch._dynamo`` is imported with this module, so once in the job server that
+preloads it (``bench._procs``): the first optimizer a process makes imports it (~800
+modules, ~1.2 CPU-s), which each of a run's jobs paid again before (it starts no thread, so
+nothing crosses the server's forks).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
+import torch._dynamo
 
 from bench import _lm
 from gradientmail.demo import lm
@@ -111,9 +119,16 @@ def learner(job: Mapping[str, Any]) -> dict[str, Any]:
     learners = int(job.get("learners", _lm.LEARNERS))
     size, steps = sizes.family(family)
     shards, _ = _lm.load_data(Path(job["data"]))
-    model = lm.build_model(size, sizes.context, sizes.seed)
+    model = _lm.build_model(size, sizes, job.get("dtype") or "float32")
     optimizer = lm.make_optimizer(model, sizes.lr)
     batches = lm.Batches(shards[index], index, sizes.batch, sizes.context, sizes.seed)
+    rank, ranks = int(job.get("rank", 0)), int(job.get("ranks", 1))
+    trained: torch.nn.Module = model
+    if ranks > 1:  # one rank of a DDP learner: its slice of the learner's batch
+        from torch.nn.parallel import DistributedDataParallel
+
+        _lm.join_ranks(rank, ranks, int(job["port"]), float(job["timeout"]))
+        trained = DistributedDataParallel(model)
     box = open_box(job["mailbox"])
     lid = _lm.learner_id(index)
     algorithm = make_algorithm(gm, job.get("algorithm"), h_every, fragments)
@@ -145,9 +160,10 @@ def learner(job: Mapping[str, Any]) -> dict[str, Any]:
         kwargs["mixing"] = float(job["mixing"])
     deadline = time.monotonic() + float(job["timeout"])
     joined_at = time.monotonic()
-    session = gm.Session(model, **kwargs)
-    barrier = gm.Barrier(mailbox=box, learner_id=lid, poll_interval=0.1)
-    barrier.wait("joined", parties=learners, timeout=float(job.get("join_timeout", 300)))
+    session = gm.Session(trained, **kwargs)  # every rank: rank 0 talks to the mailbox
+    if rank == 0:  # the other ranks wait in their first collective
+        barrier = gm.Barrier(mailbox=box, learner_id=lid, poll_interval=0.1)
+        barrier.wait("joined", parties=learners, timeout=float(job.get("join_timeout", 300)))
     join_s = time.monotonic() - joined_at
     _say(f"{lid}: all {learners} joined after {join_s:.1f} s; training {steps} steps")
 
@@ -163,12 +179,13 @@ def learner(job: Mapping[str, Any]) -> dict[str, Any]:
     for s in range(1, steps + 1):
         if time.monotonic() > deadline:
             raise TimeoutError(f"{lid}: step {s} of {steps} after {job['timeout']} s")
-        losses.append(lm.train_step(model, optimizer, batches.next(), lm.lr_at(s, steps, sizes.lr)))
+        tokens = _lm.rank_slice(batches.next(), rank, ranks)
+        losses.append(lm.train_step(trained, optimizer, tokens, lm.lr_at(s, steps, sizes.lr)))
         f = due.get(s % h_every)
         skipped_before = session.counters().skipped_syncs if f is not None else 0
         before = session.rounds
         t = time.perf_counter()
-        session.step(samples=sizes.batch)
+        session.step(samples=len(tokens))  # this rank's: the learner counts all ranks'
         took = time.perf_counter() - t
         step_s += took
         step_max = max(step_max, took)
@@ -191,6 +208,11 @@ def learner(job: Mapping[str, Any]) -> dict[str, Any]:
     counters = session.counters()
     if job.get("save_params"):  # its own final model (Moshpit learners hold different ones)
         torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, job["save_params"])
+    digest = _lm.params_digest(model) if ranks > 1 else None
+    if ranks > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
 
     with lock:
         seen = list(events)
@@ -225,8 +247,11 @@ def learner(job: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "mode": "learner",
         "learner": lid,
+        "rank": rank,
+        "ranks": ranks,
+        "params_digest": digest,
         "steps": steps,
-        "samples": steps * sizes.batch,
+        "samples": steps * sizes.batch,  # the learner's, over all its ranks
         "join_s": join_s,
         "train_s": train_s,
         "close_s": close_s,
@@ -257,7 +282,7 @@ def evaluate(job: Mapping[str, Any]) -> dict[str, Any]:
     size, _ = sizes.family(job["family"])
     _, val = _lm.load_data(Path(job["data"]))
     box = open_box(job["mailbox"])
-    model = lm.build_model(size, sizes.context, sizes.seed + 1)  # not the initial values
+    model = _lm.build_model(size, sizes, job.get("dtype") or "float32", 1)  # not the initial
     said = _AlignLog()
     log = logging.getLogger("gradientmail")
     log.addHandler(said)
@@ -284,7 +309,7 @@ def evaluate(job: Mapping[str, Any]) -> dict[str, Any]:
     }
     own = job.get("learner_params") or []
     if own:  # each learner's own final model (the spread of a Moshpit run's models)
-        probe = lm.build_model(size, sizes.context, sizes.seed)
+        probe = _lm.build_model(size, sizes, job.get("dtype") or "float32")
         losses = []
         for path in own:
             lm.load_params(probe, torch.load(path, weights_only=True))
@@ -333,7 +358,7 @@ def commit_curve(
         return cache[key]
 
     curve = []
-    probe = lm.build_model(size, sizes.context, sizes.seed)
+    probe = _lm.build_model(size, sizes, job.get("dtype") or "float32")  # loads round
     for s in sizes.checkpoint_steps(steps):
         x = s * learners * sizes.batch
         for f in range(fragments):
@@ -348,7 +373,10 @@ def commit_curve(
     for f in range(fragments):
         if per_fragment.get(f):
             newest.update(fetch(per_fragment[f][-1][1].params))
-    same = all(torch.equal(aligned[n], newest[n]) for n in aligned if n in newest)
+    # A commit's globals are float32; what align loads is them rounded to the model's dtype.
+    same = all(
+        torch.equal(aligned[n], newest[n].to(aligned[n].dtype)) for n in aligned if n in newest
+    )
     return {
         "rounds": rounds,
         "samples_committed": cumulative,
@@ -461,6 +489,8 @@ def inprocess(job: Mapping[str, Any]) -> dict[str, Any]:
         sync_every=job.get("sync_every", 25),
         fragments=job.get("fragments", 1),
         late=job.get("late", 0),
+        dtype=job.get("dtype") or "float32",
+        ranks=job.get("ranks", 1),
         tail=job.get("tail", False),
         save=Path(job["save"]) if job.get("save") else None,
         progress=_say,

@@ -8,12 +8,15 @@ every arm the same samples: ``ddp`` (batch M·B), ``reference`` (M copies in one
 file mailbox, evaluated with ``gm.align`` in another process) for each H and F, the default
 ``overlap`` and the other side of it, ``diloco-fast`` (a tiny model), ``diloco-s3`` (the best
 setting on SeaweedFS), ``reference-late`` (outer steps applied N steps late),
-``solo-average``; on request the compressed arms (:data:`COMPRESSION_ARMS`) and the Moshpit
-arms (``quality_moshpit.py``). bench/README.md describes every arm and target; the arms
+``solo-average``, ``diloco-bfloat16`` (a bfloat16 model, float32 outer state) against
+``reference-bfloat16``; on request ``diloco-ddp`` (learners of 2 DDP ranks, gloo) against
+``reference-ddp``, the compressed arms (:data:`COMPRESSION_ARMS`) and the Moshpit arms
+(``quality_moshpit.py``). bench/README.md describes every arm and target; the arms
 computed in one process are ``_lm.run_inprocess``, the processes ``_quality_worker.py``.
 
     .venv/bin/python -m bench quality [--quick | --large]
     .venv/bin/python -m bench.quality --quick --arms diloco-H25-F1,compression
+    .venv/bin/python -m bench.quality --quick --arms diloco-ddp,reference-ddp
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +43,7 @@ from bench import _lm
 from bench import _quality_report as qr
 from bench._procs import Job, JobFailed, child_env, run_pool, run_together, seaweedfs_specs
 from gradientmail.demo import lm
+from gradientmail.launch.ranks import free_port
 
 NAME = "quality"
 M = _lm.LEARNERS
@@ -92,6 +96,17 @@ COMPRESSION_ARMS: dict[str, dict[str, Any]] = {
 """Arm name -> the learners' algorithm (``_quality_worker.make_algorithm``): everything else
 is the ``diloco`` arm's (H, F, learners, data, steps, file mailbox)."""
 
+VARIANT_ARMS: dict[str, dict[str, Any]] = {
+    "diloco-bfloat16": {"dtype": "bfloat16"},  # in the default run
+    "diloco-ddp": {"ranks": 2},  # on request: 2 processes per learner
+}
+"""Exact DiLoCo (``overlap=0``) of the smallest H and F with another model dtype or
+learners of several ranks, each against the in-process reference of the same dtype and
+layout (``Arm.reference_key``), bitwise. ``reference-bfloat16`` keeps the outer state in
+float32 as a run does; ``reference-ddp`` takes each learner's step as two half-batch
+gradients averaged as DDP averages them (``_lm.ranks_train_step``)."""
+ON_REQUEST = frozenset({"diloco-ddp"})
+
 
 # -- arms ------------------------------------------------------------------------------------
 
@@ -112,6 +127,8 @@ class Arm:
     algorithm: dict[str, Any] | None = None  # compressed and Moshpit arms: the learners'
     learners: int | None = None  # learner processes or in-process shards (None: M)
     described: str | None = None  # the setting column, where given (the Moshpit arms)
+    dtype: str = "float32"  # the model's parameters (the outer state is float32 always)
+    ranks: int = 1  # processes per learner (DDP, gloo)
     final_loss: float = math.nan
     learner_losses: list[float] = field(default_factory=list)  # each learner's own model
     curve: list[tuple[int, float]] = field(default_factory=list)
@@ -131,6 +148,8 @@ class Arm:
             ("N", self.late),
         )
         parts = [f"{k}={v}" for k, v in named if v is not None]
+        parts += [self.dtype] * (self.dtype != "float32")
+        parts += [f"{self.ranks} ranks"] * (self.ranks > 1)
         tuned = sorted(((self.algorithm or {}).get("settings") or {}).items())
         parts += [f"{k}={v:g}" for k, v in tuned] + [self.backend] * bool(self.backend)
         return " ".join(parts) or "-"
@@ -144,6 +163,20 @@ class Arm:
     def gradientmail(self) -> bool:
         """Learner processes through ``gm.Session`` (diloco*, compressed arms)."""
         return self.arm.startswith("diloco") or self.compressed
+
+    @property
+    def variant(self) -> str:
+        """What sets the arm's model or learners apart, as its keys spell it: ``-fast``
+        (the tiny model), ``-bfloat16`` (another dtype), ``-ddp`` (several ranks)."""
+        fast = "-fast" if self.family == "fast" else ""
+        dtype = "" if self.dtype == "float32" else f"-{self.dtype}"
+        return fast + dtype + ("-ddp" if self.ranks > 1 else "")
+
+    @property
+    def reference_key(self) -> str:
+        """The key of the in-process reference of the same H, F, model and dtype, and layout:
+        the one home of which arm a GradientMail arm is compared with."""
+        return f"reference{self.variant}-H{self.sync_every}-F{self.fragments}"
 
     def label(self) -> str:
         model = " (tiny)" if self.family == "fast" else ""
@@ -194,17 +227,24 @@ class Bench:
         fragments: int | None = None,
         late: int | None = None,
         learners: int | None = None,
+        *,
+        like: Arm | None = None,
     ) -> tuple[Arm, Job]:
         """An arm computed in one process (over every shard of the data file), and its job;
-        its row takes its place in the report's order now."""
+        its row takes its place in the report's order now. ``like``: the model dtype and
+        ranks of that GradientMail arm (its reference: ``arm`` is ``reference-...``)."""
         save = self.params[key] = self.dir / f"{key}.params.pt"
         row = self.arms[key] = Arm(key, arm, family, sync_every, fragments, late=late)
         row.learners = learners
+        if like is not None:
+            row.dtype, row.ranks = like.dtype, like.ranks
         spec = {
             "mode": "inprocess",
             "sizes": self.sizes.to_json(),
             "data": str(self.data),
-            "arm": arm,
+            "arm": "reference" if like is not None else arm,
+            "dtype": row.dtype,
+            "ranks": row.ranks,
             "family": family,
             "sync_every": sync_every or 25,
             "fragments": fragments or 1,
@@ -251,8 +291,9 @@ class Bench:
         once; then ``gm.align`` in another process, as a user would. ``learner(i)`` and
         ``evaluation``: more of their jobs' settings. Their results; None when one failed."""
         self.arms[arm.key] = arm
-        n = arm.learners or M
-        timeout = self._train_timeout(arm.family, arm.learners) * 2
+        n, ranks = arm.learners or M, arm.ranks
+        processes = n * ranks if ranks > 1 else arm.learners
+        timeout = self._train_timeout(arm.family, processes) * 2
         save = self.dir / f"{arm.key}.params.pt"
         label = f"{arm.label()} on {arm.backend}"
         base = {
@@ -262,26 +303,37 @@ class Bench:
             "fragments": arm.fragments,
             "mailbox": box(),
             "learners": n,
+            "dtype": arm.dtype,
         }
-        mine = {"sync_every": arm.sync_every, "overlap": arm.overlap, "mixing": arm.mixing}
-        mine |= {"algorithm": arm.algorithm, "timeout": timeout - 60}
+        mine: dict[str, Any] = {"sync_every": arm.sync_every, "overlap": arm.overlap}
+        mine |= {
+            "mixing": arm.mixing,
+            "algorithm": arm.algorithm,
+            "timeout": timeout - 60,
+            "ranks": ranks,
+        }
+        # A learner of several ranks: its processes meet on a loopback port of its own.
+        ports = [free_port() if ranks > 1 else 0 for _ in range(n)]
         jobs = [
             Job(
-                f"{arm.key}.learner-{i}",
-                {"mode": "learner", **base, **mine, "learner": i, **learner(i)},
+                f"{arm.key}.learner-{i}" + (f".rank-{r}" if ranks > 1 else ""),
+                {"mode": "learner", **base, **mine, "learner": i, **learner(i)}
+                | {"rank": r, "port": ports[i]},
                 timeout,
                 self.dir,
             )
             for i in range(n)
+            for r in range(ranks)
         ]
         spec = {"mode": "evaluate", **base, "save": str(save), **(evaluation or {})}
         ev_job = Job(f"{arm.key}.evaluate", spec, self.timeout_scale * 600, self.dir)
-        h.progress(f"{label}: {n} learner processes")
+        h.progress(f"{label}: {n} learners of {ranks} process(es)")
         t0 = time.monotonic()
         try:
             run_together(jobs, self.env, label)
             processes_s = time.monotonic() - t0
-            results = [job.value() for job in jobs]
+            every = [job.value() for job in jobs]
+            results = [r for r in every if r.get("rank", 0) == 0]  # a learner's rank 0 speaks
             run_together([ev_job], self.env, f"{label} evaluation")
             ev = ev_job.value()
         except JobFailed as exc:
@@ -295,6 +347,8 @@ class Bench:
         arm.curve = [(int(x), float(y)) for x, y in ev.get("curve", [])]
         arm.wall_s = max(r["train_s"] + r["close_s"] for r in results)
         arm.data = summarize(results, ev, processes_s)
+        if ranks > 1:
+            arm.data |= rank_traffic(every)
         d = arm.data
         h.progress(
             f"{arm.label()}: validation loss {arm.final_loss:.4f}, rounds "
@@ -354,6 +408,33 @@ def summarize(
         "gradientmail_file": learners[0].get("gradientmail_file"),
         "align_equals_newest": ev.get("align_equals_newest"),
         "curve_error": ev.get("curve_error"),
+    }
+
+
+def rank_traffic(every: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """A multi-rank arm's numbers per rank: each process's mailbox bytes and requests
+    (``session.counters()``: rank 0 alone talks to the mailbox, the others receive what
+    it applied by broadcast and count nothing), the rounds its learner applied (rank 0's
+    ``applied``), and whether the ranks of every learner ended with the same parameters."""
+    applied = {r["learner"]: r["counters"].get("applied") for r in every if r["rank"] == 0}
+    digests: dict[str, set[str]] = {}
+    rows = []
+    for r in every:
+        c = r["counters"]
+        digests.setdefault(r["learner"], set()).add(r.get("params_digest") or "")
+        rows.append(
+            {
+                "learner": r["learner"],
+                "rank": r["rank"],
+                "bytes_up": c.get("bytes_up_total", 0),
+                "bytes_down": c.get("bytes_down_total", 0),
+                "requests": c.get("requests_total", 0),
+                "rounds_applied": applied.get(r["learner"]) or 0,
+            }
+        )
+    return {
+        "ranks": rows,
+        "ranks_identical": all(len(d) == 1 and "" not in d for d in digests.values()),
     }
 
 
@@ -441,6 +522,10 @@ def _run(ctx: h.Context, bench: Bench, report: h.Report) -> None:
     for arm in diloco_arms:
         if wanted(arm.arm, arm.key):
             bench.run_diloco(arm, bench.file_box)
+    # Another model dtype, learners of several ranks: exact DiLoCo against their references.
+    variants = variant_arms(arms_filter, h_main, fragments[0])
+    for arm in variants:
+        bench.run_diloco(arm, bench.file_box)
     # On request: compressed contributions, each like the diloco arm of the smallest H and F,
     # the most telling first; with a time budget, those that would overrun it are skipped.
     budget = options.get("max_seconds")
@@ -476,6 +561,15 @@ def _run(ctx: h.Context, bench: Bench, report: h.Report) -> None:
                 )
         if family == "main" and wanted("solo-average"):
             specs.append(bench.inprocess("solo-average", "solo-average", family))
+    for arm in variants:  # each against the reference of its own dtype and layout
+        name = arm.reference_key.split("-H")[0]
+        ran = arm.key in bench.arms and not bench.arms[arm.key].error
+        if ran and wanted("reference", name, arm.reference_key):
+            specs.append(
+                bench.inprocess(
+                    arm.reference_key, name, "main", arm.sync_every, arm.fragments, like=arm
+                )
+            )
     for arm in diloco_arms:
         done = bench.arms.get(arm.key)
         if done is None or done.error or not wanted("reference-late"):
@@ -531,6 +625,19 @@ def _run(ctx: h.Context, bench: Bench, report: h.Report) -> None:
     report.data["png"] = qr.write_plot(bench, qr.plot_path(ctx), main_params, fast_params)
 
 
+def variant_arms(arms_filter: set[str] | None, h_every: int, fragments: int) -> list[Arm]:
+    """The :data:`VARIANT_ARMS` asked for: those named (by arm or key), else the ones not
+    :data:`ON_REQUEST` when no arm is named; exact DiLoCo (``overlap=0``) of H and F."""
+    arms = []
+    for name, values in VARIANT_ARMS.items():
+        key = f"{name}-H{h_every}-F{fragments}"
+        named = arms_filter is not None and bool({name, key} & arms_filter)
+        if named or (arms_filter is None and name not in ON_REQUEST):
+            arm = Arm(key, name, "main", h_every, fragments, 0, backend="file", **values)
+            arms.append(arm)
+    return arms
+
+
 def compression_arms(
     options: Mapping[str, Any], arms_filter: set[str] | None, h_every: int, fragments: int
 ) -> list[Arm]:
@@ -553,7 +660,9 @@ def compression_arms(
 
 def compare_params(bench: Bench) -> None:
     """Max |aligned - reference| per GradientMail arm: is it the algorithm, bit for bit?
-    And against ``reference-late``'s where there is one."""
+    And against ``reference-late``'s where there is one; a multi-rank arm also against the
+    one-rank reference of its dtype (``reference_one_rank``: how far DDP's averaged
+    half-batch gradients take the model from whole-batch gradients), where it ran."""
     import torch
 
     def load(key: str) -> dict[str, torch.Tensor] | None:
@@ -563,12 +672,11 @@ def compare_params(bench: Bench) -> None:
     for arm in bench.arms.values():
         if not arm.arm.startswith("diloco") or arm.compressed or arm.error:
             continue
-        suffix = "-fast" if arm.family == "fast" else ""
         x = load(arm.key)
-        for name, key in (
-            ("reference", f"reference{suffix}-H{arm.sync_every}-F{arm.fragments}"),
-            ("reference_late", f"reference-late-{arm.key}"),
-        ):
+        pairs = [("reference", arm.reference_key), ("reference_late", f"reference-late-{arm.key}")]
+        if arm.ranks > 1:
+            pairs.append(("reference_one_rank", replace(arm, ranks=1).reference_key))
+        for name, key in pairs:
             y = load(key)
             if x is None or y is None or set(x) != set(y):
                 if name == "reference":
@@ -593,8 +701,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m bench.quality
     parser.add_argument(
         "--arms",
         default="",
-        help="comma-separated arm names or keys to run (default: all but the compressed "
-        "ones), e.g. diloco-H25-F1,sparseloco-2%%; `compression` names every compressed arm: "
+        help="comma-separated arm names or keys to run (default: all but diloco-ddp and the "
+        "compressed ones), e.g. diloco-H25-F1,sparseloco-2%%; diloco-bfloat16 (a bfloat16 "
+        "model) and diloco-ddp (learners of 2 DDP ranks) run exact against "
+        "reference-bfloat16 and reference-ddp; `compression` names every compressed arm: "
         + ", ".join(COMPRESSION_ARMS).replace("%", "%%")
         + "; `moshpit` the Moshpit comparison",
     )

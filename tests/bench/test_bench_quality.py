@@ -4,7 +4,10 @@ Every arm of ``python -m bench quality --quick`` runs (SeaweedFS excepted: its s
 stop cost more than the rest): learner processes through ``gm.Session`` on a file mailbox,
 ``gm.align`` in a separate process, the in-process arms. The numbers themselves are never
 asserted, only the structure: every arm present, finite losses, counters reported, the
-record serializable, the plot written where matplotlib is installed.
+record serializable, the plot written where matplotlib is installed; and the one promise
+that is a fact, not a number: every exact (overlap 0) arm's aligned model equals its
+in-process reference bitwise, the bfloat16 model's too (float32 outer state, loads rounded
+by ``Tensor.to``), and so do learners of 2 DDP ranks (their own small run).
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ def test_quality_benchmark_runs_every_arm(tmp_path: Path) -> None:
     rows = report.data["arms"]
     arms = {row["arm"] for row in rows}
     assert {"ddp", "reference", "diloco", "diloco-fast", "solo-average"} <= arms
+    assert {"diloco-bfloat16", "reference-bfloat16"} <= arms
+    assert "diloco-ddp" not in arms  # on request only
     for row in rows:
         assert row["error"] is None, row
         assert math.isfinite(row["final_loss"]), row
@@ -74,6 +79,16 @@ def test_quality_benchmark_runs_every_arm(tmp_path: Path) -> None:
         assert row["data"]["rounds_committed"] == len(row["evaluation"]["rounds"])
         assert row["data"]["sync_points"] > 0
         assert row["evaluation"]["final_loss"] == row["final_loss"]
+        assert row["data"]["align_equals_newest"] is True, row["key"]
+        default_overlap = report.data["overlap_setting"]["default"]
+        if row["overlap"] == 0 or (row["overlap"] is None and default_overlap == "0"):
+            # exact DiLoCo: the reference of the same H, F and dtype, bit for bit
+            assert row["data"]["bitwise_reference"] is True, row["key"]
+    bf16 = {row["arm"]: row for row in rows if row["dtype"] == "bfloat16"}
+    assert set(bf16) == {"diloco-bfloat16", "reference-bfloat16"}
+    assert bf16["diloco-bfloat16"]["overlap"] == 0
+    assert "reference-bfloat16" in rendered
+    assert "bfloat16" in bf16["diloco-bfloat16"]["setting"]
 
     assert report.targets, "the benchmark states its targets"
     assert report.data["library"]["commit"]
@@ -155,3 +170,62 @@ def test_compression_arms_build_their_algorithms() -> None:
     assert words["sparseloco-2%"].startswith("SparseLoCo: TopK 2%, 2 bits, outer_lr 1,")
     tuned = make_algorithm(gm, {"name": "sparseloco", "settings": {"error_decay": 0.9}}, 25, 1)
     assert tuned.error_decay == 0.9
+
+
+@pytest.mark.timeout(600)  # a bound on a hang, not a speed
+def test_ddp_learners_equal_their_reference_bitwise(tmp_path: Path) -> None:
+    """``--arms diloco-ddp,reference-ddp``: 4 learners of 2 DDP ranks (gloo) end with the
+    parameters of the reference that takes each learner step as the two ranks' half-batch
+    gradients averaged, bit for bit; every learner's ranks alike; rank 0 alone moves bytes;
+    a learner counts its ranks' samples (as many as a learner of one rank)."""
+    ctx = h.Context(
+        quick=True,
+        large=False,
+        workdir=tmp_path,
+        options={
+            "quality": {
+                "sizes": TINY.to_json(),
+                "s3": False,
+                "arms": ["diloco-ddp", "reference-ddp"],
+            },
+            "json_path": str(tmp_path / "quality-ddp.json"),
+        },
+    )
+    report = quality.run(ctx)
+    assert report.error is None
+    rows = {row["arm"]: row for row in report.data["arms"]}
+    assert set(rows) == {"diloco-ddp", "reference-ddp"}
+    ddp = rows["diloco-ddp"]
+    assert ddp["error"] is None, ddp
+    assert rows["reference-ddp"]["error"] is None
+    assert ddp["ranks"] == rows["reference-ddp"]["ranks"] == 2
+    assert ddp["data"]["bitwise_reference"] is True
+    assert ddp["data"]["ranks_identical"] is True
+    assert ddp["data"]["align_equals_newest"] is True
+    trained = _lm.LEARNERS * TINY.batch * TINY.steps
+    assert ddp["data"]["samples_trained"] == ddp["data"]["samples_in_final"] == trained
+    per_rank = {row["rank"]: row for row in report.data["ranks"]}
+    assert per_rank[0]["bytes_up"] > 0
+    assert per_rank[0]["bytes_down"] > 0
+    assert per_rank[1]["bytes_up"] == per_rank[1]["bytes_down"] == 0
+    assert "mailbox traffic per rank per round" in report.render()
+
+
+def test_variant_arms_selection() -> None:
+    """Pure: the bfloat16 arm runs by default, the DDP arm only when named; both exact."""
+    default = quality.variant_arms(None, 25, 1)
+    assert [(a.key, a.dtype, a.ranks) for a in default] == [
+        ("diloco-bfloat16-H25-F1", "bfloat16", 1)
+    ]
+    assert default[0].reference_key == "reference-bfloat16-H25-F1"
+    assert quality.variant_arms({"diloco"}, 25, 4) == []
+    (ddp,) = quality.variant_arms({"diloco-ddp"}, 25, 4)
+    assert (ddp.ranks, ddp.dtype, ddp.overlap, ddp.fragments) == (2, "float32", 0, 4)
+    assert ddp.reference_key == "reference-ddp-H25-F4"
+    assert "2 ranks" in ddp.setting
+    plain = quality.Arm("diloco-H25-F4", "diloco", "main", 25, 4)
+    fast = quality.Arm("diloco-fast", "diloco-fast", "fast", 25, 1)
+    assert (plain.reference_key, fast.reference_key) == (
+        "reference-H25-F4",
+        "reference-fast-H25-F1",
+    )
