@@ -26,12 +26,16 @@ here (``__all__``); everything else is private to its package. The layers, lowes
   ``closer``, ``verify``), and the exchanges a Session drives (``exchange*.py``: run-wide
   rounds, Moshpit groups).
 - ``session/``: :class:`Session` (the learner): a training loop, a communication thread and
-  one exchange, composed.
+  one exchange, composed; ``_ranks.py``: the ranks of a ``torch.distributed`` group as one
+  learner.
 - ``patterns/``: :class:`Barrier` and the Shared Queue, on ``coord/``.
 - ``inspect/``: a read-only view of a run (CLI, operator); its ``_groups.py`` reads
   and shows a Moshpit run's group rounds, ``_traffic.py`` sizes the bytes moved.
-- ``launch/``: the ``GradientMailRun`` model and the node environment (:class:`NodeEnv`,
-  what a node's own script reads); it builds Sessions, so it sits above ``session/``.
+- ``launch/``: the ``GradientMailRun`` model, the node environment (:class:`NodeEnv`,
+  what a node's own script reads) and a node's ranks (``ranks.py``: P processes with
+  torchrun's environment); it builds Sessions, so it sits above ``session/``.
+- ``integrations/``: the Hugging Face Trainer and Lightning callbacks (optional extras,
+  never imported by ``import gradientmail``).
 - ``testing/``: the mailbox contract suite, fault injectors and the whole-tensor reference
   combine, for users' own tests.
 - ``cli/``: the ``gradientmail`` command (``_command.py`` is its entry point).
