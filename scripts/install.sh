@@ -47,7 +47,12 @@ echo "==> creating .venv with $PYTHON"
 # cache; index-url) is handed to uv so both resolve from the same places.
 install() {
   if [[ -x .venv/bin/uv ]]; then
-    .venv/bin/uv pip install --quiet --python .venv/bin/python "${uv_sources[@]}" "$@" && return 0
+    # --compile-bytecode: pip writes the .pyc files at install and uv does not; where
+    # PYTHONDONTWRITEBYTECODE is set (CI machines set it) every process would otherwise
+    # compile torch's and boto3's sources again at each start (seen: a suite 2x slower,
+    # subprocess tests past their guards).
+    .venv/bin/uv pip install --quiet --compile-bytecode --python .venv/bin/python \
+      "${uv_sources[@]}" "$@" && return 0
     echo "install.sh: uv failed; installing with pip instead" >&2
   fi
   .venv/bin/python -m pip install --quiet --progress-bar off "$@" 2>&1 \
