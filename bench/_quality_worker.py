@@ -15,9 +15,10 @@ JOB.json`` (``mode``; the result goes to ``out``, JSON):
 - ``inprocess``: an arm computed in one process (``_lm.run_inprocess``).
 
 Every mode runs ``torch.set_num_threads(sizes.threads)`` and records which ``gradientmail``
-it imported. (``torch._dynamo``, which the first optimizer of each job imports for ~1.2
-CPU-s, is not preloaded here: test modules import this one, so it would load into every
-test worker too.)
+it imported. ``torch._dynamo`` is imported with this module, so once in the job server that
+preloads it (``bench._procs``): the first optimizer a process makes imports it (~800
+modules, ~1.2 CPU-s), which each of a run's jobs paid again before (it starts no thread, so
+nothing crosses the server's forks).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
+import torch._dynamo
 
 from bench import _lm
 from gradientmail.demo import lm

