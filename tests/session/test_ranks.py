@@ -22,7 +22,6 @@ import json
 import multiprocessing
 import os
 import runpy
-import socket
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +36,7 @@ import gradientmail as gm
 from gradientmail import RanksFailed
 from gradientmail.events import Following, Left
 from gradientmail.launch.env import NodeEnv
+from gradientmail.launch.ranks import free_port, rank_environ
 from gradientmail.patterns.barrier import Barrier
 from tests.support.waiting import TEST_TIMEOUT
 from tests.training import commits
@@ -57,13 +57,6 @@ def _optimizers_imported() -> None:
     """The first optimizer a process makes imports torch._dynamo (~800 modules, seconds of
     CPU): made here once, before the ranks fork, instead of once in every rank."""
     torch.optim.SGD(_model().parameters(), lr=0.1)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _model() -> torch.nn.Module:
@@ -123,17 +116,6 @@ def _run(children: Children, where: Path) -> dict[str, dict[str, Any]]:
     return results
 
 
-def _torchrun(rank: int, size: int, port: int) -> dict[str, str]:
-    return {
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
-        "WORLD_SIZE": str(size),
-        "LOCAL_WORLD_SIZE": str(size),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-    }
-
-
 def _snippet() -> dict[str, Any]:
     """One rank of the snippet, then what it ended with."""
     ran = runpy.run_path(str(SNIPPET), run_name="__main__")
@@ -167,9 +149,9 @@ def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[gm.Mailbox, dict]
             steps=STEPS,
             round_timeout=RUN_LIMIT / 2,  # rounds wait for every learner, even when loaded
         ).to_environ()
-        port = _free_port()
+        port = free_port()
         for rank in range(size):
-            children[f"{learner}{rank}"] = ({**node, **_torchrun(rank, size, port)}, _snippet)
+            children[f"{learner}{rank}"] = ({**node, **rank_environ(rank, size, port)}, _snippet)
     results = _run(children, where)
     for name, result in results.items():
         assert "error" not in result, f"rank {name}: {result.get('trace')}"
@@ -314,9 +296,9 @@ def _surviving_learner(url: str) -> dict[str, Any]:
 
 def test_a_rank_that_dies_takes_its_learner_out_and_the_others_go_on(tmp_path: Path) -> None:
     url = (tmp_path / "mailbox").as_uri()
-    port = _free_port()
+    port = free_port()
     children: Children = {
-        f"d{rank}": (_torchrun(rank, 2, port), lambda: _dying_rank(url)) for rank in range(2)
+        f"d{rank}": (rank_environ(rank, 2, port), lambda: _dying_rank(url)) for rank in range(2)
     }
     children["e0"] = ({}, lambda: _surviving_learner(url))
     results = _run(children, tmp_path)
@@ -358,11 +340,11 @@ def refusals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, An
     url = (where / "mailbox").as_uri()
     # The run's model is another one than f's.
     gm.Session(torch.nn.Linear(8, 1), **_options("x", url)).close()
-    port, sharded = _free_port(), _free_port()
+    port, sharded = free_port(), free_port()
     children: Children = {
-        f"f{rank}": (_torchrun(rank, 2, port), lambda: _refused_rank(url)) for rank in range(2)
+        f"f{rank}": (rank_environ(rank, 2, port), lambda: _refused_rank(url)) for rank in range(2)
     }
-    g_env = {**_torchrun(0, 1, sharded), "G_MAILBOX": str(where / "g")}
+    g_env = {**rank_environ(0, 1, sharded), "G_MAILBOX": str(where / "g")}
     children["g0"] = (g_env, _sharded_rank)
     return _run(children, where)
 
